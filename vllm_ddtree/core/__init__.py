@@ -1,0 +1,24 @@
+"""Engine-agnostic DDTree core: tree build, masks, acceptance walk, sampling rule, KV-compaction plan.
+
+Imports torch only, never vLLM; every function is batched over the requests of a step.
+"""
+
+from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
+from vllm_ddtree.core.kv_plan import KVCompactionPlan, compact_rows_, kv_compaction_plan
+from vllm_ddtree.core.sampling import TreeSamplingParams, process_logits, sample_tree_tokens
+from vllm_ddtree.core.tree import DraftTree, build_draft_trees, tree_attention_mask
+
+__all__ = [
+    "DraftTree",
+    "KVCompactionPlan",
+    "TreeAcceptance",
+    "TreeSamplingParams",
+    "accept_tree",
+    "build_draft_trees",
+    "compact_rows_",
+    "kv_compaction_plan",
+    "max_path_length",
+    "process_logits",
+    "sample_tree_tokens",
+    "tree_attention_mask",
+]
