@@ -1,0 +1,99 @@
+"""CPU attention with tree masks for the tree-verify requests of a batch (registered over CPU_ATTN).
+
+A batch is first run through vLLM's CPU kernel unchanged. When the runner attached a `TreeAttention`
+to the metadata (target forward of a step that verifies trees), the rows of the tree nodes are then
+recomputed by masked SDPA over the request's K/V read back from the paged cache, and overwrite the
+kernel's (causal, hence wrong) rows: node i attends to the whole committed prefix plus its ancestors and
+itself. Everything else, including prefills, plain decodes and the DFlash draft's non-causal pass
+(whose metadata never carries a tree), is exactly vLLM's CPU_ATTN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+
+from vllm_ddtree.vllm.paged_kv import probe_layout, read_rows
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """Tree-verify rows of one batch; T requests, N = max nodes, L = max window (prefix + nodes).
+
+    query_rows [T, N]: batch row of node i (padded nodes repeat a valid row and are not written back);
+    kv_slots [T, L]: cache slot of window position p (p < prefix + nodes; padding points at slot 0);
+    mask [T, N, L]: True where node i attends to position p (every row has at least one True);
+    valid [T, N]: real nodes, whose outputs are written back.
+    """
+
+    query_rows: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass
+class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
+    tree: TreeAttention | None = None
+
+
+class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> DDTreeCPUAttentionMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return DDTreeCPUAttentionMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
+
+
+class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+        tree = getattr(attn_metadata, "tree", None)
+        if tree is not None:
+            self._check_tree_support()
+            self._tree_forward(layer, query, kv_cache, tree, output)
+        return output
+
+    def _check_tree_support(self) -> None:
+        unsupported = {
+            "non-decoder attention": self.attn_type != AttentionType.DECODER,
+            "sliding-window attention": self.sliding_window != -1,
+            "ALiBi": self.alibi_slopes is not None,
+            "logit soft-capping": bool(self.logits_soft_cap),
+            "attention sinks": self.sinks is not None,
+            "quantized KV cache": self.is_fp8_kv_cache,
+        }
+        found = [name for name, present in unsupported.items() if present]
+        if found:
+            raise NotImplementedError(f"method 'ddtree' does not support target models with {', '.join(found)}")
+
+    def _tree_forward(self, layer, query, kv_cache, tree: TreeAttention, output) -> None:
+        num_req, num_nodes = tree.query_rows.shape
+        window = tree.kv_slots.shape[1]
+        layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+        keys, values = read_rows(kv_cache, layout, tree.kv_slots.flatten())
+        keys = keys.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2).float()
+        values = values.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2).float()
+        queries = query[tree.query_rows.flatten()].view(num_req, num_nodes, self.num_heads, -1).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            queries.float(), keys, values, attn_mask=tree.mask.unsqueeze(1), scale=self.scale, enable_gqa=True
+        )
+        attended = attended.transpose(1, 2).to(output.dtype)
+        output[tree.query_rows[tree.valid]] = attended[tree.valid]
+
+
+class DDTreeCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
+        return DDTreeCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:
+        return DDTreeCPUAttentionMetadataBuilder

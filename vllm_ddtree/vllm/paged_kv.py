@@ -1,0 +1,103 @@
+"""Read and move token rows of vLLM's CPU paged KV cache without hard-coding its ISA-specific layout.
+
+CPU_ATTN stores one layer's cache as [num_blocks, num_kv_heads, block_size, 2 * head_size]: per
+(block, kv head) a contiguous region holding that block's keys, then its values, each in an order that
+depends on the kernel ISA (e.g. "vec" keeps keys head-dim-major). `probe_layout` learns that order once
+per (isa, block_size, head_size, dtype) by writing index probes with vLLM's own writer
+(`cpu_attn_reshape_and_cache`) and reading them back; reads and moves are then plain index operations
+on the regions. Only unquantized caches are supported: the probe fails unless the layout is a
+permutation of the region.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+_BASE = 16  # digits 1..16 are exact in every float dtype a KV cache uses
+
+
+@dataclass(frozen=True)
+class RegionLayout:
+    """key_offsets / value_offsets [block_size, head_size]: where element (token offset t, dim d) of a
+    block's keys / values lives inside its (block, kv head) region of 2 * block_size * head_size."""
+
+    key_offsets: torch.Tensor
+    value_offsets: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.key_offsets.shape[0]
+
+
+def _probe(isa: str, block_size: int, head_size: int, dtype: torch.dtype, probe_keys: bool) -> torch.Tensor:
+    from vllm import _custom_ops as ops
+
+    count = block_size * head_size
+    index = torch.arange(count)
+    decoded = torch.zeros(2 * count, dtype=torch.long)
+    written = None
+    scale = 1
+    while scale < count:
+        cache = torch.zeros(1, 1, block_size, 2 * head_size, dtype=dtype)
+        key_cache, value_cache = cache.view(1, 1, 2 * block_size, head_size).chunk(2, dim=2)
+        digit = ((index // scale) % _BASE + 1).to(dtype).view(block_size, 1, head_size)
+        zeros = torch.zeros_like(digit)
+        key, value = (digit, zeros) if probe_keys else (zeros, digit)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(block_size), isa)
+        flat = cache.view(-1)
+        written = flat != 0 if written is None else written
+        decoded += (flat.to(torch.long) - 1).clamp(min=0) * scale
+        scale *= _BASE
+    positions = written.nonzero().squeeze(1)
+    values = decoded[positions]
+    if positions.numel() != count or not torch.equal(values.sort().values, index):
+        raise NotImplementedError(
+            f"vllm_ddtree cannot read the CPU KV cache layout of ISA {isa!r} (dtype {dtype}); "
+            "method 'ddtree' needs an unquantized CPU_ATTN cache"
+        )
+    offsets = torch.empty(count, dtype=torch.long)
+    offsets[values] = positions
+    return offsets.view(block_size, head_size)
+
+
+@functools.lru_cache(maxsize=None)
+def probe_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> RegionLayout:
+    return RegionLayout(
+        key_offsets=_probe(isa, block_size, head_size, dtype, probe_keys=True),
+        value_offsets=_probe(isa, block_size, head_size, dtype, probe_keys=False),
+    )
+
+
+def _locate(kv_cache: torch.Tensor, layout: RegionLayout, slots: torch.Tensor, offsets: torch.Tensor):
+    """Index tuple selecting [S, num_kv_heads, head_size] elements of `kv_cache` viewed as regions."""
+    num_heads = kv_cache.shape[1]
+    blocks = (slots // layout.block_size).view(-1, 1, 1)
+    heads = torch.arange(num_heads).view(1, -1, 1)
+    elems = offsets[slots % layout.block_size].unsqueeze(1)
+    return blocks, heads, elems
+
+
+def _regions(kv_cache: torch.Tensor) -> torch.Tensor:
+    num_blocks, num_heads = kv_cache.shape[:2]
+    return kv_cache.view(num_blocks, num_heads, -1)
+
+
+def read_rows(kv_cache: torch.Tensor, layout: RegionLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values), each [S, num_kv_heads, head_size], of the tokens stored at `slots` [S]."""
+    regions = _regions(kv_cache)
+    slots = slots.long()
+    keys = regions[_locate(kv_cache, layout, slots, layout.key_offsets)]
+    values = regions[_locate(kv_cache, layout, slots, layout.value_offsets)]
+    return keys, values
+
+
+def move_rows(kv_cache: torch.Tensor, layout: RegionLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Copy the token rows at `src_slots` to `dst_slots` (both [S]); all sources are read first."""
+    regions = _regions(kv_cache)
+    src_slots, dst_slots = src_slots.long(), dst_slots.long()
+    for offsets in (layout.key_offsets, layout.value_offsets):
+        rows = regions[_locate(kv_cache, layout, src_slots, offsets)]
+        regions[_locate(kv_cache, layout, dst_slots, offsets)] = rows

@@ -1,0 +1,51 @@
+"""Every run-time patch vllm_ddtree applies to vLLM, in one place (applied by `plugin.register`).
+
+Everything else uses vLLM's own extension points: the `vllm.general_plugins` entry point,
+`register_backend` for the attention backend, `worker_cls` for the worker, `additional_config` for the
+DDTree settings, and subclasses of vLLM's runner, proposer and attention classes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from vllm_ddtree.vllm.config import is_ddtree_request, rewrite_engine_args
+from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
+
+
+def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_ddtree_request(self.speculative_config):
+            rewrite_engine_args(self)
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+def all_patches() -> list[Patch]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return [
+        # Why: SpeculativeConfig validates `method` against a closed Literal (and forbids extra keys), so
+        # {"method": "ddtree", ...} cannot even be constructed. EngineArgs.create_engine_config is the one
+        # place every entry point (LLM, `vllm serve`, AsyncLLM) turns the user's dict into configs; the
+        # wrapper rewrites a ddtree request into a DFlash config plus our settings before that happens and
+        # leaves every other request untouched.
+        # Remove when: vLLM gains a registry for out-of-tree speculative methods (RFC vllm#36219).
+        Patch(
+            owner=EngineArgs,
+            name="create_engine_config",
+            make=_create_engine_config,
+            why="accept speculative method 'ddtree'",
+            remove_when="vLLM can register out-of-tree speculative methods (RFC vllm#36219)",
+        ),
+    ]
+
+
+def apply_all() -> None:
+    """Apply every patch once per process (plugins may be loaded more than once)."""
+    for patch in all_patches():
+        if not is_patched(patch.owner, patch.name):
+            apply_patch(patch)

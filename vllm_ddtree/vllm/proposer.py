@@ -1,0 +1,62 @@
+"""DDTree proposer: vLLM's DFlash draft pass, kept as per-position top-k, turned into best-first trees.
+
+The draft pass is vLLM's `DFlashProposer` unchanged (KV injection of the target's hidden states, one
+non-causal pass over [anchor, MASK x depth]); only the sampling of its logits differs: instead of one
+argmax per position we keep the top-K log-probabilities, and `vllm_ddtree.core.build_draft_trees` turns
+them into one tree per request under the step's node budget. The draft runs depth = min(budget,
+block_size - 1) mask positions: the deepest a tree of that budget can reach, and no more KV lookahead
+than vLLM reserves for DFlash with the same num_speculative_tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.core import DraftTree, build_draft_trees
+from vllm_ddtree.vllm.config import DDTreeConfig
+
+
+class DDTreeProposer(DFlashProposer):
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any, ddtree: DDTreeConfig) -> None:
+        super().__init__(vllm_config, device, runner)
+        hf_config = self.draft_model_config.hf_config
+        block_size = getattr(hf_config, "block_size", None)
+        if not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"method 'ddtree' needs a DFlash draft whose config has block_size >= 2, got {block_size!r}")
+        if self.use_heterogeneous_vocab or getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
+            raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
+        self.ddtree = ddtree
+        self.max_depth = block_size - 1
+        self._top: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.last_trees: DraftTree | None = None
+
+    def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> list[list[int]]:
+        """Run the draft and return each request's tree nodes in index order, root excluded.
+
+        num_speculative_tokens is the step's tree budget; `last_trees` keeps the trees built.
+        """
+        budget = num_speculative_tokens
+        depth = min(budget, self.max_depth)
+        next_token_ids = kwargs["next_token_ids"]
+        self._top = None
+        self.last_trees = None
+        super().propose(depth, *args, **kwargs)
+        if budget == 0:
+            return [[] for _ in range(next_token_ids.shape[0])]
+        assert self._top is not None
+        top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
+        trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, budget)
+        self.last_trees = trees
+        sizes = (trees.num_nodes - 1).tolist()
+        return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
+
+    def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
+        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
+        logprobs = self.model.compute_logits(hidden_states).float().log_softmax(dim=-1)
+        k = self.ddtree.candidates_per_depth(logprobs.shape[-1])
+        top = logprobs.topk(k, dim=-1)
+        self._top = (top.values, top.indices)
+        return top.indices[:, 0], None

@@ -1,0 +1,190 @@
+"""vLLM's CPU model runner with DDTree: tree drafts, tree-masked verify, tree walk, KV compaction.
+
+One engine step, for the requests whose drafts are trees (all others run exactly as stock DFlash):
+1. `_prepare_inputs`: vLLM lays out each request's 1 + n rows with linear KV slots; we set node i's
+   RoPE position to start + depth(i) and remember the batch's trees (`TreeVerifyBatch`).
+2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks.
+3. `_sample`: the target's token at every node (greedy: argmax), the core's acceptance walk, output in
+   vLLM's "accepted drafts + bonus, padded -1" form (so EOS, stop tokens, max_tokens, detokenization
+   and the spec-decode metrics need nothing new), then KV compaction of the accepted nodes in every
+   target layer: the k-th node of the accepted path moves to row start + k.
+4. `propose_draft_token_ids`: the drafter's context rows are put in path order with linear positions,
+   which is exactly the stock "accepted prefix + rejected padding" layout, so vLLM's DFlash input
+   preparation runs unchanged; the proposer returns trees, handed to the scheduler as flat lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import get_layers_from_vllm_config
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_ddtree.core import TreeAcceptance, accept_tree, compact_rows_, kv_compaction_plan
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionMetadata
+from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout
+from vllm_ddtree.vllm.proposer import DDTreeProposer
+from vllm_ddtree.vllm.support import check_request
+from vllm_ddtree.vllm.verify import ProposedTree, ScheduledTree, TreeVerifyBatch
+
+
+class DDTreeModelRunner(CPUModelRunner):
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        ddtree = DDTreeConfig.from_vllm_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeModelRunner needs additional_config['ddtree'] (set by method 'ddtree')")
+        self.drafter = DDTreeProposer(vllm_config, device, self, ddtree)
+        self._proposed: dict[str, ProposedTree] = {}
+        self._verify: TreeVerifyBatch | None = None
+        self._node_slots: torch.Tensor | None = None
+        self._accepted: tuple[TreeVerifyBatch, TreeAcceptance] | None = None
+
+    # ---- 1. verify inputs -------------------------------------------------------------------------
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
+        for new_req in scheduler_output.scheduled_new_reqs:
+            check_request(new_req.req_id, new_req.sampling_params)
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        proposed, self._proposed = self._proposed, {}
+        self._verify = self._node_slots = None
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        if not scheduled:
+            return result
+        first_rows = self.query_start_loc.np
+        trees = []
+        for req_id, draft_token_ids in scheduled.items():
+            req_index = self.input_batch.req_id_to_index[req_id]
+            start = int(self.input_batch.num_computed_tokens_cpu[req_index])
+            trees.append(
+                ScheduledTree(
+                    req_index=req_index,
+                    first_row=int(first_rows[req_index]),
+                    start=start,
+                    root_token_id=int(self.input_batch.token_ids_cpu[req_index, start]),
+                    draft_token_ids=list(draft_token_ids),
+                    proposed=proposed.get(req_id),
+                )
+            )
+        trees.sort(key=lambda t: t.req_index)
+        verify = TreeVerifyBatch.build(trees)
+        rows, positions = verify.node_positions()
+        self.positions[rows] = positions
+        self._node_slots = self._slot_mapping()[verify.node_rows()]
+        self._verify = verify
+        return result
+
+    def _slot_mapping(self) -> torch.Tensor:
+        """This step's per-row KV slots (vLLM computes them in `_prepare_inputs`, one KV cache group)."""
+        if len(self.input_batch.block_table.block_tables) != 1:
+            raise NotImplementedError("method 'ddtree' supports target models with a single KV cache group")
+        return self.input_batch.block_table[0].slot_mapping.cpu
+
+    # ---- 2. tree masks for the target's attention ------------------------------------------------
+    def _build_attention_metadata(self, *args: Any, **kwargs: Any):
+        attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
+        if self._verify is not None:
+            block_table = self.input_batch.block_table[0]
+            tree = self._verify.attention(block_table.get_cpu_tensor(), block_table.block_size)
+            for metadata in attn_metadata.values():
+                if not isinstance(metadata, DDTreeCPUAttentionMetadata):
+                    raise NotImplementedError("method 'ddtree' needs the CPU_ATTN attention backend for the target")
+                metadata.tree = tree
+        return attn_metadata, spec_metadata
+
+    # ---- 3. tree walk + KV compaction ------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
+        verify, self._verify = self._verify, None
+        if verify is None or spec_decode_metadata is None:
+            return super()._sample(logits, spec_decode_metadata)
+        assert logits is not None
+        if not self.input_batch.sampling_metadata.all_greedy:
+            raise NotImplementedError("method 'ddtree' is greedy-only in this release (temperature 0)")
+        target = logits.argmax(dim=-1)
+        num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
+        first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
+        node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
+        acceptance = accept_tree(
+            verify.tree, target[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets], verify.ancestor_mask
+        )
+
+        output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
+        output[:, 0] = target[spec_decode_metadata.bonus_logits_indices]
+        output[verify.req_indices] = -1
+        output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
+        self._compact_target_kv(acceptance)
+        self._accepted = (verify, acceptance)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+    def _compact_target_kv(self, acceptance: TreeAcceptance) -> None:
+        """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers
+        are rewritten from the context on the next draft pass)."""
+        plan = kv_compaction_plan(acceptance)
+        if not bool(plan.is_move.any()):
+            return
+        assert self._node_slots is not None
+        src = self._node_slots.gather(1, plan.src_offsets)[plan.is_move]
+        dst = self._node_slots.gather(1, plan.dst_offsets)[plan.is_move]
+        draft_layers = self.drafter._draft_attn_layer_names
+        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
+            if name in draft_layers:
+                continue
+            kv_cache = layer.kv_cache
+            move_rows(kv_cache, probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype), src, dst)
+
+    # ---- 4. draft context in path order, then the DFlash draft ------------------------------------
+    def propose_draft_token_ids(
+        self,
+        scheduler_output: Any,
+        sampled_token_ids: Any,
+        sampling_metadata: Any,
+        hidden_states: torch.Tensor,
+        sample_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        spec_decode_metadata: Any,
+        common_attn_metadata: Any,
+        slot_mappings: Any,
+    ) -> list[list[int]]:
+        accepted, self._accepted = self._accepted, None
+        if accepted is not None:
+            assert aux_hidden_states is not None
+            aux_hidden_states = self._path_first(*accepted, aux_hidden_states)
+        drafts = super().propose_draft_token_ids(
+            scheduler_output,
+            sampled_token_ids,
+            sampling_metadata,
+            hidden_states,
+            sample_hidden_states,
+            aux_hidden_states,
+            spec_decode_metadata,
+            common_attn_metadata,
+            slot_mappings,
+        )
+        trees = self.drafter.last_trees
+        if trees is not None:
+            lists = zip(trees.token_ids.tolist(), trees.parents.tolist(), trees.depths.tolist(), trees.num_nodes.tolist())
+            self._proposed = {
+                req_id: ProposedTree(tokens[:n], parents[:n], depths[:n])
+                for req_id, (tokens, parents, depths, n) in zip(self.input_batch.req_ids, lists)
+            }
+        return drafts
+
+    def _path_first(
+        self, verify: TreeVerifyBatch, acceptance: TreeAcceptance, aux_hidden_states: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
+        positions: row first_row + k holds the k-th path node. The drafter then sees the layout of an
+        accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
+        src, dst = kv_compaction_plan(acceptance).rows(verify.first_rows)
+        rows, positions = verify.linear_positions()
+        self.positions[rows] = positions
+        reordered = []
+        for states in aux_hidden_states:
+            states = states.clone()
+            compact_rows_(states, src, dst)
+            reordered.append(states)
+        return reordered

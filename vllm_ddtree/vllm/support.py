@@ -1,0 +1,45 @@
+"""Per-request options method 'ddtree' supports; anything else fails with a message naming it.
+
+The tree walk compares the target's token at every node with the node's children. Options that change
+the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
+bias, bad words, grammars) would need each node's own history, which the flat batch does not give them;
+logprobs would need the accepted rows gathered. Until they are supported they are refused, never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GREEDY_EPS = 1e-5
+
+
+def unsupported_options(params: Any) -> list[str]:
+    """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support."""
+    checks = {
+        "temperature > 0 (method 'ddtree' is greedy-only in this release)": params.temperature >= GREEDY_EPS,
+        "logprobs": params.logprobs is not None,
+        "prompt_logprobs": params.prompt_logprobs is not None,
+        "presence_penalty": params.presence_penalty != 0.0,
+        "frequency_penalty": params.frequency_penalty != 0.0,
+        "repetition_penalty": params.repetition_penalty != 1.0,
+        "min_tokens": params.min_tokens > 0,
+        "logit_bias": bool(params.logit_bias),
+        "allowed_token_ids": bool(params.allowed_token_ids),
+        "bad_words": bool(params.bad_words),
+        "structured outputs": params.structured_outputs is not None,
+        "thinking_token_budget": params.thinking_token_budget is not None,
+        "watermarking": bool(params.watermarking),
+    }
+    return [name for name, present in checks.items() if present]
+
+
+def check_request(req_id: str, params: Any) -> None:
+    if params is None:
+        raise ValueError(f"method 'ddtree' serves generation requests only (request {req_id} has no sampling params)")
+    found = unsupported_options(params)
+    if found:
+        raise NotImplementedError(
+            f"request {req_id}: method 'ddtree' does not support {', '.join(found)}; "
+            "use method 'dflash' or plain decoding for such requests"
+        )

@@ -1,0 +1,126 @@
+"""One step's tree-verify requests: the trees as scheduled, and what the verify forward needs from them.
+
+The scheduler knows drafts only as flat token lists; the proposer hands it each tree's nodes in index
+order (root excluded), so any prefix the scheduler keeps (token budget, max_model_len) is still a
+prefix-closed tree: parents precede children. A request's verify window is 1 + n batch rows, row i
+holding node i (row 0 the root, the last committed token). Rows keep vLLM's linear KV slots
+(start + i); only their RoPE positions change to start + depth(i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.core import DraftTree, tree_attention_mask
+from vllm_ddtree.vllm.attention import TreeAttention
+
+
+@dataclass(frozen=True)
+class ProposedTree:
+    """One request's proposed tree as plain lists over its nodes (root first, index order)."""
+
+    token_ids: list[int]
+    parents: list[int]
+    depths: list[int]
+
+
+@dataclass(frozen=True)
+class ScheduledTree:
+    """A request of this step that verifies `draft_token_ids` (the scheduler's prefix of its tree)."""
+
+    req_index: int
+    first_row: int
+    start: int
+    root_token_id: int
+    draft_token_ids: list[int]
+    proposed: ProposedTree | None
+
+    def shape(self) -> tuple[list[int], list[int]]:
+        """(parents, depths) of root + scheduled nodes; a chain when the drafts are not our tree (e.g.
+        the placeholder drafts vLLM schedules when the drafter was skipped): verifying any token list
+        as a chain is exact."""
+        n = 1 + len(self.draft_token_ids)
+        proposed = self.proposed
+        if proposed is not None and proposed.token_ids[1:n] == self.draft_token_ids:
+            return proposed.parents[:n], proposed.depths[:n]
+        return list(range(-1, n - 1)), list(range(n))
+
+
+@dataclass(frozen=True)
+class TreeVerifyBatch:
+    """The T tree-verify requests of a step, in batch order, with their trees padded to N nodes.
+
+    req_indices, first_rows, starts: [T] batch index, batch row of the root, root position.
+    tree: DraftTree [T, N]; ancestor_mask: tree_attention_mask(tree) [T, N, N].
+    """
+
+    req_indices: torch.Tensor
+    first_rows: torch.Tensor
+    starts: torch.Tensor
+    tree: DraftTree
+    ancestor_mask: torch.Tensor
+
+    @classmethod
+    def build(cls, scheduled: list[ScheduledTree]) -> TreeVerifyBatch:
+        num_nodes = max(1 + len(s.draft_token_ids) for s in scheduled)
+        tokens, parents, depths = [], [], []
+        for s in scheduled:
+            p, d = s.shape()
+            pad = num_nodes - len(p)
+            tokens.append([s.root_token_id, *s.draft_token_ids] + [s.root_token_id] * pad)
+            parents.append(p + [-1] * pad)
+            depths.append(d + [0] * pad)
+        sizes = torch.tensor([1 + len(s.draft_token_ids) for s in scheduled])
+        valid = torch.arange(num_nodes).unsqueeze(0) < sizes.unsqueeze(1)
+        depth_tensor = torch.tensor(depths)
+        tree = DraftTree(
+            token_ids=torch.tensor(tokens),
+            parents=torch.tensor(parents),
+            depths=depth_tensor,
+            ranks=torch.zeros_like(depth_tensor),
+            valid=valid,
+            num_nodes=sizes,
+            max_depth=int(depth_tensor.max()),
+        )
+        return cls(
+            req_indices=torch.tensor([s.req_index for s in scheduled]),
+            first_rows=torch.tensor([s.first_row for s in scheduled]),
+            starts=torch.tensor([s.start for s in scheduled]),
+            tree=tree,
+            ancestor_mask=tree_attention_mask(tree),
+        )
+
+    def node_rows(self) -> torch.Tensor:
+        """[T, N] batch row of every node (padded nodes: the root's row)."""
+        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
+        return self.first_rows.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
+
+    def node_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, RoPE positions) of the valid nodes for the verify pass: start + depth(i)."""
+        positions = self.starts.unsqueeze(1) + self.tree.depths
+        return self.node_rows()[self.tree.valid], positions[self.tree.valid]
+
+    def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the valid nodes' rows once the window is read as a chain: start + i."""
+        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
+        positions = self.starts.unsqueeze(1) + offsets
+        return self.node_rows()[self.tree.valid], positions.expand_as(self.tree.valid)[self.tree.valid]
+
+    def attention(self, block_table: torch.Tensor, block_size: int) -> TreeAttention:
+        """What the tree-aware attention needs; block_table [num_reqs, W] maps a request's positions to
+        cache blocks (slot = block * block_size + position % block_size, as vLLM computes it)."""
+        num_req, num_nodes = self.tree.token_ids.shape
+        window_len = self.starts + self.tree.num_nodes
+        pos = torch.arange(int(window_len.max())).unsqueeze(0)
+        in_window = pos < window_len.unsqueeze(1)
+        blocks = block_table[self.req_indices.unsqueeze(1), (pos // block_size).expand(num_req, -1)].long()
+        kv_slots = torch.where(in_window, blocks * block_size + pos % block_size, 0)
+
+        column = pos - self.starts.unsqueeze(1)  # tree node index of a window position, < 0 in the prefix
+        in_tree = (column >= 0) & in_window
+        ancestors = self.ancestor_mask.gather(2, column.clamp(0, num_nodes - 1).unsqueeze(1).expand(-1, num_nodes, -1))
+        mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
+        mask = torch.where(self.tree.valid.unsqueeze(2), mask, mask[:, :1])
+        return TreeAttention(query_rows=self.node_rows(), kv_slots=kv_slots, mask=mask, valid=self.tree.valid)
