@@ -9,21 +9,27 @@ import torch
 
 
 def best_paths_oracle(logprobs: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
-    """All rank paths of one request ([L, K] sorted log-probs) ranked by (score desc, depth, ranks);
-    the first `budget` with a finite score. Scores are left-to-right float64 sums."""
+    """Rank paths of one request ([L, K] sorted log-probs), best first, the first `budget` without a
+    -inf log-prob. Scores: exact integer sums in units of 2^-20 nats (log-probs floored at -1000).
+    Within a depth: score descending, then the parent's place in its own depth, then the token rank;
+    across depths: score descending, then the shallower path."""
     depth_max, topk = logprobs.shape
     topk = min(topk, max(budget, 1))
-    table = logprobs.double().tolist()
-    paths = []
+    table = [[None if x == -math.inf else round(max(x, -1000.0) * 2**20) for x in row] for row in logprobs.double().tolist()]
+    ranked: list[tuple[float, int, int, tuple[int, ...]]] = []  # (-score, depth, place in depth, path)
+    previous = [((), 0)]  # depth-(d-1) paths in order, with their scores (None: through a -inf)
     for depth in range(1, depth_max + 1):
-        for ranks in itertools.product(range(topk), repeat=depth):
-            score = 0.0
-            for d, r in enumerate(ranks):
-                score += table[d][r]
-            if score > -math.inf:
-                paths.append((-score, depth, ranks))
-    paths.sort()
-    return [ranks for _, _, ranks in paths[:budget]]
+        children = []
+        for place, (path, score) in enumerate(previous):
+            for rank in range(topk):
+                term = table[depth - 1][rank]
+                child = None if score is None or term is None else score + term
+                children.append((child is None, -(child or 0), place, rank, path + (rank,), child))
+        children.sort(key=lambda c: c[:4])
+        previous = [(c[4], c[5]) for c in children]
+        ranked += [(-score, depth, place, path) for place, (path, score) in enumerate(previous) if score is not None]
+    ranked.sort()
+    return [path for *_, path in ranked[:budget]]
 
 
 def rank_paths(parents: list[int], ranks: list[int], num_nodes: int) -> list[tuple[int, ...]]:

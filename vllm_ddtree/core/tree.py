@@ -5,18 +5,20 @@ sum_{i<=d} log q_i(x_i), where q_i is the draft's distribution at block position
 scores above its parent, so the `budget` best nodes form a prefix-closed tree: the tree that maximises
 expected acceptance under that surrogate.
 
-Order and ties. Nodes are ranked by the key (score descending, depth ascending, rank path ascending
-lexicographically), where the rank path lists each node's rank in its depth's top-k. Scores are
-accumulated left to right in float64; ties mean exact equality of those sums. A parent always precedes
-its children and a sibling of lower rank precedes one of higher rank, so the top-`budget` set under
-this key is prefix-closed. Nodes with score -inf are never included.
+Scores are exact integers: log-probs in units of 2^-20 nats (floored at -1000 nats), so sums are
+associative and ties are real ties. Order ("key"), a deterministic total order:
+- within a depth: score descending; ties go to the child of the better-keyed parent, then to the
+  lower-ranked token of the depth's top-k;
+- across depths: score descending, then shallower first.
+A parent precedes its children and a lower-ranked sibling precedes a higher-ranked one, so the top-
+`budget` set under this key is prefix-closed. Nodes through a -inf log-prob are never built.
 
-Batched algorithm (no per-request Python loops, no host syncs). Depth by depth, keep the `budget` best
-depth-d paths (a "layer", stored in key order). Every node of the final tree is in its depth's layer,
-and every member of a depth-d layer extends a member of the depth-(d-1) layer. A candidate made of the
-parent of key-rank i and the child token of rank j is dominated by the (i+1)(j+1)-1 candidates with
-smaller i' <= i, j' <= j, so only pairs with (i+1)(j+1) <= budget are ever scored. Finally one stable
-sort of all layers (depth-major) by score picks the `budget` best nodes in key order.
+Batched algorithm (no per-request Python loop, no host sync). Depth by depth, keep a "layer": the
+`budget` best depth-d paths in key order. Every node of the final tree lies in its depth's layer, and
+every layer member extends a member of the previous layer. The candidate (parent of layer position i,
+token of rank j) is preceded in key order by all (i' <= i, j' <= j), so only the pairs with
+(i+1)(j+1) <= budget are scored. Keys pack (score, tie-breaker) into one unique int64, so a plain
+top-k gives each new layer in key order, and one last top-k over all layers picks the tree.
 """
 
 from __future__ import annotations
@@ -25,6 +27,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+
+SCORE_BITS = 20
+"""Scores are integers in units of 2^-SCORE_BITS nats (about 1e-6)."""
+MIN_LOGPROB = -1000.0
+"""Finite log-probs are floored here (float32 probabilities vanish long before)."""
+NEG_INF = -(1 << 40)
+"""Fixed-point stand-in for -inf; path scores are clamped here, below every finite path's score."""
+INVALID_SCORE = NEG_INF // 2
+"""Path scores at or below this came through a -inf log-prob; such nodes are never built."""
+MAX_BUDGET = 2048
+"""Largest budget whose packed sort keys fit in int64 (|score| <= 2^40, tie-breakers < 2^22)."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,11 @@ class DraftTree:
         return self.token_ids.shape[1]
 
 
-@lru_cache(maxsize=256)
-def _candidate_pairs(layer_width: int, topk: int, budget: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parent key-rank i, child rank j) pairs with (i+1)(j+1) <= budget; the only ones that can win."""
-    parent = torch.arange(layer_width)
+@lru_cache(maxsize=64)
+def _candidate_pairs(budget: int, topk: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(parent layer position i, token rank j) with (i+1)(j+1) <= budget, ordered by i then j: the
+    only candidates that can enter a layer. Their position in this list is the within-depth tie-breaker."""
+    parent = torch.arange(budget)
     children_per_parent = torch.clamp(budget // (parent + 1), max=topk)
     parent_idx = torch.repeat_interleave(parent, children_per_parent)
     group_start = torch.cumsum(children_per_parent, 0) - children_per_parent
@@ -69,9 +83,11 @@ def _candidate_pairs(layer_width: int, topk: int, budget: int, device: str) -> t
     return parent_idx.to(device), child_rank.to(device)
 
 
-def _inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(perm)
-    return inverse.scatter_(1, perm, torch.arange(perm.shape[1], device=perm.device).expand_as(perm))
+def fixed_point_logprobs(top_logprobs: torch.Tensor) -> torch.Tensor:
+    """Log-probs as int64 multiples of 2^-SCORE_BITS nats, floored at MIN_LOGPROB; -inf -> NEG_INF."""
+    floored = top_logprobs.to(torch.float64).clamp(min=MIN_LOGPROB)
+    fixed = torch.round(floored * (1 << SCORE_BITS)).to(torch.long)
+    return torch.where(top_logprobs == float("-inf"), NEG_INF, fixed)
 
 
 def build_draft_trees(
@@ -92,67 +108,63 @@ def build_draft_trees(
     Returns:
         A DraftTree with N = budget + 1 columns (see its invariants).
     """
-    if budget < 0:
-        raise ValueError(f"budget must be >= 0, got {budget}")
+    if not 0 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget must be in [0, {MAX_BUDGET}], got {budget}")
     num_req, max_depth, topk = top_logprobs.shape
     device = top_logprobs.device
-    topk = min(topk, max(budget, 1))
-    logprobs = top_logprobs[:, :, :topk].to(torch.float64)
-    token_table = top_token_ids[:, :, :topk]
+    root = root_token_ids.view(num_req, 1).long()
+    if budget == 0 or max_depth == 0:
+        zeros = torch.zeros((num_req, budget + 1), dtype=torch.long, device=device)
+        valid = torch.zeros((num_req, budget + 1), dtype=torch.bool, device=device)
+        valid[:, 0] = True
+        return DraftTree(root.expand_as(zeros).clone(), zeros - 1, zeros, zeros.clone(), valid, valid.sum(1), max_depth)
 
-    # Flat candidate store, depth-major; entry 0 is the root with score +inf so it always ranks first.
-    scores = [torch.full((num_req, 1), float("inf"), dtype=torch.float64, device=device)]
-    parent_flat = [torch.full((num_req, 1), -1, dtype=torch.long, device=device)]
-    depths = [torch.zeros((num_req, 1), dtype=torch.long, device=device)]
-    ranks = [torch.zeros((num_req, 1), dtype=torch.long, device=device)]
-    tokens = [root_token_ids.view(num_req, 1).long()]
+    topk = min(topk, budget)
+    parent_pos, token_rank = _candidate_pairs(budget, topk, str(device))
+    num_pairs = parent_pos.numel()
+    # Within-depth key of candidate p: score * num_pairs + (num_pairs - 1 - p); scores enter scaled.
+    tie_breaker = num_pairs - 1 - torch.arange(num_pairs, device=device)
+    pair_logprobs = fixed_point_logprobs(top_logprobs[:, :, :topk]).index_select(2, token_rank)  # [R, L, P]
+    pair_keys = (pair_logprobs.transpose(0, 1) * num_pairs + tie_breaker).contiguous()  # [L, R, P]
+    floor_key = NEG_INF * num_pairs
 
-    layer_score = torch.zeros((num_req, 1), dtype=torch.float64, device=device)
-    layer_lexpos = torch.zeros((num_req, 1), dtype=torch.long, device=device)
-    layer_offset, flat_size = 0, 1  # flat index of the parent layer's first entry; entries so far
-    for depth in range(1, max_depth + 1 if budget > 0 else 1):
-        parent_idx, child_rank = _candidate_pairs(layer_score.shape[1], topk, budget, str(device))
-        cand_score = layer_score[:, parent_idx] + logprobs[:, depth - 1, child_rank]
-        cand_lex = layer_lexpos[:, parent_idx] * topk + child_rank
-        # Key order within a depth: score descending, then rank path ascending (lex sort, then stable).
-        by_lex = torch.argsort(cand_lex, dim=1)
-        by_key = by_lex.gather(1, torch.sort(cand_score.gather(1, by_lex), dim=1, descending=True, stable=True)[1])
-        keep = by_key[:, : min(budget, parent_idx.numel())]
+    # Layer 0 is the root alone, padded to `budget` positions with impossible parents.
+    scaled_score = torch.full((num_req, budget), floor_key, dtype=torch.long, device=device)
+    scaled_score[:, 0] = 0
+    layer_scores, layer_choices = [], []
+    for depth in range(max_depth):
+        key = scaled_score.index_select(1, parent_pos).add_(pair_keys[depth]).clamp_(min=floor_key)
+        best = torch.topk(key, budget, dim=1)
+        scaled_score = best.values - tie_breaker.take(best.indices)
+        layer_scores.append(scaled_score)
+        layer_choices.append(best.indices)
 
-        kept_parent = parent_idx[keep]
-        kept_rank = child_rank[keep]
-        layer_score = cand_score.gather(1, keep)
-        layer_lexpos = _inverse_permutation(torch.argsort(cand_lex.gather(1, keep), dim=1))
-        scores.append(layer_score)
-        parent_flat.append(layer_offset + kept_parent)
-        depths.append(torch.full_like(kept_rank, depth))
-        ranks.append(kept_rank)
-        tokens.append(token_table[:, depth - 1].gather(1, kept_rank))
-        layer_offset, flat_size = flat_size, flat_size + keep.shape[1]
+    # All layers depth-major; flat position of (depth d >= 1, layer position i) is 1 + (d-1)*budget + i.
+    scores = torch.stack(layer_scores, 1).div_(num_pairs, rounding_mode="floor")  # [R, L, budget]
+    choices = torch.stack(layer_choices, 1)
+    node_space = max_depth * budget
+    depth_of = torch.arange(1, max_depth + 1, device=device).view(1, max_depth, 1)
+    tie = node_space - 1 - torch.arange(node_space, device=device).view(1, max_depth, budget)
+    keys = torch.cat([torch.full((num_req, 1), torch.iinfo(torch.long).max, device=device), (scores * node_space + tie).flatten(1)], 1)
+    top = torch.topk(keys, budget + 1, dim=1)
+    order = top.indices
+    valid = top.values >= (INVALID_SCORE + 1) * node_space
 
-    flat_score = torch.cat(scores, 1)
-    num_cols = budget + 1
-    if flat_score.shape[1] < num_cols:  # fewer distinct paths than the budget: pad with -inf
-        pad = num_cols - flat_score.shape[1]
-        flat_score = torch.nn.functional.pad(flat_score, (0, pad), value=float("-inf"))
-    order = torch.sort(flat_score, dim=1, descending=True, stable=True)[1][:, :num_cols]
-    valid = flat_score.gather(1, order) > float("-inf")
+    choice_parent, choice_rank = parent_pos.take(choices), token_rank.take(choices)
+    parent_flat = torch.cat([torch.full((num_req, 1), -1, device=device), (choice_parent + 1 + (depth_of - 2) * budget).clamp(min=0).flatten(1)], 1)
+    rank_flat = torch.cat([torch.zeros((num_req, 1), dtype=torch.long, device=device), choice_rank.flatten(1)], 1)
+    depth_flat = torch.cat([torch.zeros((1, 1), dtype=torch.long, device=device), depth_of.expand(1, max_depth, budget).flatten(1)], 1)
+    token_flat = torch.cat([root, top_token_ids[:, :, :topk].gather(2, choice_rank).flatten(1)], 1)
 
-    def pick(parts: list[torch.Tensor], fill: torch.Tensor | int) -> torch.Tensor:
-        flat = torch.cat(parts, 1)
-        flat = torch.nn.functional.pad(flat, (0, flat_score.shape[1] - flat.shape[1]))
-        return torch.where(valid, flat.gather(1, order), fill)
-
-    final_of_flat = torch.full_like(flat_score, -1, dtype=torch.long)
-    final_of_flat.scatter_(1, order, torch.arange(num_cols, device=device).expand(num_req, num_cols))
-    picked_parent_flat = pick(parent_flat, -1)
-    parents = torch.where(picked_parent_flat >= 0, final_of_flat.gather(1, picked_parent_flat.clamp(min=0)), -1)
-    root = root_token_ids.view(num_req, 1).long().expand(num_req, num_cols)
+    final_of_flat = torch.full_like(keys, -1)
+    final_of_flat.scatter_(1, order, torch.arange(budget + 1, device=device).expand(num_req, budget + 1))
+    parents = final_of_flat.gather(1, parent_flat.gather(1, order).clamp(min=0))
+    parents[:, 0] = -1
     return DraftTree(
-        token_ids=pick(tokens, root),
-        parents=parents,
-        depths=pick(depths, 0),
-        ranks=pick(ranks, 0),
+        token_ids=torch.where(valid, token_flat.gather(1, order), root),
+        parents=torch.where(valid, parents, -1),
+        depths=torch.where(valid, depth_flat.expand(num_req, -1).gather(1, order), 0),
+        ranks=torch.where(valid, rank_flat.gather(1, order), 0),
         valid=valid,
         num_nodes=valid.sum(1),
         max_depth=max_depth,

@@ -1,0 +1,100 @@
+"""Cost of the DDTree core per request: top-k, tree build, compile (mask), acceptance walk, KV plan.
+
+Draft logits are realistic for a Qwen3 vocabulary (151,936 tokens): peaked, a few plausible tokens per
+depth and a long tail. Prints a table (medians over repeats); `--json PATH` also writes the numbers.
+
+    python benchmarks/tree_build.py [--block-size 16] [--repeats 20] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from vllm_ddtree.core import accept_tree, build_draft_trees, kv_compaction_plan, tree_attention_mask
+
+VOCAB = 151_936
+
+
+def peaked_draft_logits(batch: int, depth: int, gen: torch.Generator) -> torch.Tensor:
+    """Peaked per-depth logits that flatten with depth, as a block draft's do."""
+    logits = torch.randn(batch, depth, VOCAB, generator=gen)
+    sharpness = torch.linspace(12.0, 4.0, depth).view(1, depth, 1)
+    hot = torch.randint(0, VOCAB, (batch, depth, 8), generator=gen)
+    logits.scatter_add_(2, hot, sharpness.expand(batch, depth, 8) * torch.rand(batch, depth, 8, generator=gen))
+    return logits
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(batch: int, budget: int, block_size: int, repeats: int, gen: torch.Generator) -> dict:
+    depth = block_size - 1
+    logits = peaked_draft_logits(batch, depth, gen)
+    roots = torch.randint(0, VOCAB, (batch,), generator=gen)
+    topk = min(budget, VOCAB)
+
+    def top():
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return logprobs.topk(topk, dim=-1)
+
+    values, indices = top()
+    tree = build_draft_trees(roots, values, indices, budget)
+    mask = tree_attention_mask(tree)
+    # The target agrees with the draft's rank-0 child where there is one: a deep walk.
+    target = torch.where(tree.valid, tree.token_ids, 0)
+    target = torch.roll(target, -1, dims=1)
+    times = {
+        "topk": median_seconds(top, repeats),
+        "build": median_seconds(lambda: build_draft_trees(roots, values, indices, budget), repeats),
+        "compile": median_seconds(lambda: tree_attention_mask(tree), repeats),
+        "accept": median_seconds(lambda: accept_tree(tree, target, mask), repeats),
+        "kv_plan": median_seconds(lambda: kv_compaction_plan(accept_tree(tree, target, mask)), repeats),
+    }
+    per_request_us = {k: v / batch * 1e6 for k, v in times.items()}
+    per_request_us["build+compile"] = per_request_us["build"] + per_request_us["compile"]
+    return {"batch": batch, "budget": budget, "block_size": block_size, "us_per_request": per_request_us}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"vocab {VOCAB}, block size {args.block_size}; microseconds per request (median of {args.repeats})")
+    header = f"{'batch':>5} {'budget':>6} {'topk':>9} {'build':>8} {'compile':>8} {'build+compile':>14} {'accept':>8} {'kv_plan':>8}"
+    print(header)
+    rows = []
+    for batch in args.batches:
+        for budget in args.budgets:
+            row = measure(batch, budget, args.block_size, args.repeats, gen)
+            us = row["us_per_request"]
+            print(
+                f"{batch:>5} {budget:>6} {us['topk']:>9.1f} {us['build']:>8.1f} {us['compile']:>8.1f}"
+                f" {us['build+compile']:>14.1f} {us['accept']:>8.1f} {us['kv_plan']:>8.1f}"
+            )
+            rows.append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.machine(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
