@@ -16,8 +16,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens = B` (so the draft
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
-`worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and logs
-what it forced.
+`worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
+`log_rewrite` logs what it forced.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
+logger = logging.getLogger("vllm.ddtree")
 
 METHOD = "ddtree"
 WORKER_CLS = "vllm_ddtree.vllm.worker.DDTreeCPUWorker"
@@ -90,7 +91,7 @@ def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, An
     return ddtree, dflash
 
 
-def rewrite_engine_args(args: Any) -> None:
+def rewrite_engine_args(args: Any) -> DDTreeConfig:
     """Rewrite an EngineArgs whose speculative_config asks for method 'ddtree' into what vLLM runs.
 
     Fails with a clear message on settings DDTree cannot honour instead of silently changing them.
@@ -118,6 +119,11 @@ def rewrite_engine_args(args: Any) -> None:
     args.async_scheduling = False
     args.worker_cls = WORKER_CLS
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: asdict(ddtree)}
+    return ddtree
+
+
+def log_rewrite(ddtree: DDTreeConfig) -> None:
+    """Log what `rewrite_engine_args` forced (call once vLLM has configured logging)."""
     logger.info(
         "vllm_ddtree: method 'ddtree' (budget %d, topk cap %s) runs on vLLM's DFlash draft machinery; forced: "
         "speculative method 'dflash' with num_speculative_tokens=%d, async_scheduling=False, worker_cls=%s",

@@ -10,16 +10,19 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from vllm_ddtree.vllm.config import is_ddtree_request, rewrite_engine_args
+from vllm_ddtree.vllm.config import is_ddtree_request, log_rewrite, rewrite_engine_args
 from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
 
 
 def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_ddtree_request(self.speculative_config):
-            rewrite_engine_args(self)
-        return original(self, *args, **kwargs)
+        if not is_ddtree_request(self.speculative_config):
+            return original(self, *args, **kwargs)
+        ddtree = rewrite_engine_args(self)
+        config = original(self, *args, **kwargs)
+        log_rewrite(ddtree)  # after the original: it configures vLLM's logging first
+        return config
 
     return create_engine_config
 

@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from vllm_ddtree import SUPPORTED_VLLM
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
+logger = logging.getLogger("vllm.ddtree")
 
 _APPLIED_ATTR = "__vllm_ddtree_patches__"
 

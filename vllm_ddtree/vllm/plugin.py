@@ -7,26 +7,13 @@ behaves exactly like vLLM's CPU_ATTN for every batch that holds no tree-verify r
 
 from __future__ import annotations
 
-import logging
-
 from vllm_ddtree.vllm.patching import check_vllm_version
 
 ATTENTION_BACKEND = "vllm_ddtree.vllm.attention.DDTreeCPUAttentionBackend"
 
 
-def _route_logs_like_vllm() -> None:
-    """Send this package's INFO logs wherever vLLM's logger writes (vLLM configures only 'vllm')."""
-    ours, theirs = logging.getLogger("vllm_ddtree"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(logging.INFO)
-        ours.propagate = False
-
-
 def register() -> None:
     check_vllm_version()
-    _route_logs_like_vllm()
 
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend

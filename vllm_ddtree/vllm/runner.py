@@ -166,11 +166,7 @@ class DDTreeModelRunner(CPUModelRunner):
         )
         trees = self.drafter.last_trees
         if trees is not None:
-            lists = zip(trees.token_ids.tolist(), trees.parents.tolist(), trees.depths.tolist(), trees.num_nodes.tolist())
-            self._proposed = {
-                req_id: ProposedTree(tokens[:n], parents[:n], depths[:n])
-                for req_id, (tokens, parents, depths, n) in zip(self.input_batch.req_ids, lists)
-            }
+            self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
         return drafts
 
     def _path_first(

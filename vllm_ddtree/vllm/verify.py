@@ -24,6 +24,15 @@ class ProposedTree:
     token_ids: list[int]
     parents: list[int]
     depths: list[int]
+    ranks: list[int]
+
+    @staticmethod
+    def unbatch(trees: DraftTree) -> list[ProposedTree]:
+        """One ProposedTree per request of a batch, valid nodes only."""
+        columns = [t.tolist() for t in (trees.token_ids, trees.parents, trees.depths, trees.ranks)]
+        return [
+            ProposedTree(*(column[r][:n] for column in columns)) for r, n in enumerate(trees.num_nodes.tolist())
+        ]
 
 
 @dataclass(frozen=True)
@@ -37,15 +46,15 @@ class ScheduledTree:
     draft_token_ids: list[int]
     proposed: ProposedTree | None
 
-    def shape(self) -> tuple[list[int], list[int]]:
-        """(parents, depths) of root + scheduled nodes; a chain when the drafts are not our tree (e.g.
-        the placeholder drafts vLLM schedules when the drafter was skipped): verifying any token list
-        as a chain is exact."""
+    def shape(self) -> tuple[list[int], list[int], list[int]]:
+        """(parents, depths, ranks) of root + scheduled nodes; a chain when the drafts are not our tree
+        (e.g. the placeholder drafts vLLM schedules when the drafter was skipped): verifying any token
+        list as a chain is exact."""
         n = 1 + len(self.draft_token_ids)
         proposed = self.proposed
         if proposed is not None and proposed.token_ids[1:n] == self.draft_token_ids:
-            return proposed.parents[:n], proposed.depths[:n]
-        return list(range(-1, n - 1)), list(range(n))
+            return proposed.parents[:n], proposed.depths[:n], proposed.ranks[:n]
+        return list(range(-1, n - 1)), list(range(n)), [0] * n
 
 
 @dataclass(frozen=True)
@@ -65,13 +74,14 @@ class TreeVerifyBatch:
     @classmethod
     def build(cls, scheduled: list[ScheduledTree]) -> TreeVerifyBatch:
         num_nodes = max(1 + len(s.draft_token_ids) for s in scheduled)
-        tokens, parents, depths = [], [], []
+        tokens, parents, depths, ranks = [], [], [], []
         for s in scheduled:
-            p, d = s.shape()
+            p, d, r = s.shape()
             pad = num_nodes - len(p)
             tokens.append([s.root_token_id, *s.draft_token_ids] + [s.root_token_id] * pad)
             parents.append(p + [-1] * pad)
             depths.append(d + [0] * pad)
+            ranks.append(r + [0] * pad)
         sizes = torch.tensor([1 + len(s.draft_token_ids) for s in scheduled])
         valid = torch.arange(num_nodes).unsqueeze(0) < sizes.unsqueeze(1)
         depth_tensor = torch.tensor(depths)
@@ -79,7 +89,7 @@ class TreeVerifyBatch:
             token_ids=torch.tensor(tokens),
             parents=torch.tensor(parents),
             depths=depth_tensor,
-            ranks=torch.zeros_like(depth_tensor),
+            ranks=torch.tensor(ranks),
             valid=valid,
             num_nodes=sizes,
             max_depth=int(depth_tensor.max()),
