@@ -10,7 +10,7 @@ itself. Everything else, including prefills, plain decodes and the DFlash draft'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.vllm.paged_kv import probe_layout, read_rows
+from vllm_ddtree.vllm.paged_kv import RegionLayout, probe_layout, read_rows, row_index
 
 
 @dataclass(frozen=True)
@@ -31,14 +31,23 @@ class TreeAttention:
 
     query_rows [T, N]: batch row of node i (padded nodes repeat a valid row and are not written back);
     kv_slots [T, L]: cache slot of window position p (p < prefix + nodes; padding points at slot 0);
-    mask [T, N, L]: True where node i attends to position p (every row has at least one True);
+    bias [T, 1, N, L]: 0 where node i attends to position p, -inf elsewhere (never a whole row);
     valid [T, N]: real nodes, whose outputs are written back.
+    Built once per step and shared by all target layers, as are the cache indices derived from it.
     """
 
     query_rows: torch.Tensor
     kv_slots: torch.Tensor
-    mask: torch.Tensor
+    bias: torch.Tensor
     valid: torch.Tensor
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def kv_index(self, layout: RegionLayout, num_kv_heads: int) -> torch.Tensor:
+        """`row_index` of the window positions, computed once per layout."""
+        key = (id(layout), num_kv_heads)
+        if key not in self._indices:
+            self._indices[key] = row_index(layout, self.kv_slots.flatten(), num_kv_heads)
+        return self._indices[key]
 
 
 @dataclass
@@ -78,15 +87,14 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         num_req, num_nodes = tree.query_rows.shape
         window = tree.kv_slots.shape[1]
         layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-        keys, values = read_rows(kv_cache, layout, tree.kv_slots.flatten())
-        keys = keys.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2).float()
-        values = values.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2).float()
-        queries = query[tree.query_rows.flatten()].view(num_req, num_nodes, self.num_heads, -1).transpose(1, 2)
+        keys, values = read_rows(kv_cache, tree.kv_index(layout, self.num_kv_heads))
+        keys = keys.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2)
+        values = values.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2)
+        queries = query[tree.query_rows].transpose(1, 2)
         attended = F.scaled_dot_product_attention(
-            queries.float(), keys, values, attn_mask=tree.mask.unsqueeze(1), scale=self.scale, enable_gqa=True
+            queries.float(), keys.float(), values.float(), attn_mask=tree.bias, scale=self.scale, enable_gqa=True
         )
-        attended = attended.transpose(1, 2).to(output.dtype)
-        output[tree.query_rows[tree.valid]] = attended[tree.valid]
+        output[tree.query_rows[tree.valid]] = attended.transpose(1, 2)[tree.valid].to(output.dtype)
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -71,33 +71,24 @@ def probe_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) 
     )
 
 
-def _locate(kv_cache: torch.Tensor, layout: RegionLayout, slots: torch.Tensor, offsets: torch.Tensor):
-    """Index tuple selecting [S, num_kv_heads, head_size] elements of `kv_cache` viewed as regions."""
-    num_heads = kv_cache.shape[1]
-    blocks = (slots // layout.block_size).view(-1, 1, 1)
-    heads = torch.arange(num_heads).view(1, -1, 1)
-    elems = offsets[slots % layout.block_size].unsqueeze(1)
-    return blocks, heads, elems
-
-
-def _regions(kv_cache: torch.Tensor) -> torch.Tensor:
-    num_blocks, num_heads = kv_cache.shape[:2]
-    return kv_cache.view(num_blocks, num_heads, -1)
-
-
-def read_rows(kv_cache: torch.Tensor, layout: RegionLayout, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, values), each [S, num_kv_heads, head_size], of the tokens stored at `slots` [S]."""
-    regions = _regions(kv_cache)
+def row_index(layout: RegionLayout, slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[2, S, num_kv_heads, head_size] flat element indices (keys, values) of the tokens at `slots` [S]
+    in a contiguous cache [num_blocks, num_kv_heads, block_size, 2 * head_size] of this layout."""
+    block_size, head_size = layout.key_offsets.shape
+    region = 2 * block_size * head_size
     slots = slots.long()
-    keys = regions[_locate(kv_cache, layout, slots, layout.key_offsets)]
-    values = regions[_locate(kv_cache, layout, slots, layout.value_offsets)]
-    return keys, values
+    base = ((slots // block_size) * num_kv_heads).view(-1, 1, 1) + torch.arange(num_kv_heads).view(1, -1, 1)
+    offsets = torch.stack([layout.key_offsets, layout.value_offsets])[:, slots % block_size]
+    return base.unsqueeze(0) * region + offsets.unsqueeze(2)
 
 
-def move_rows(kv_cache: torch.Tensor, layout: RegionLayout, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-    """Copy the token rows at `src_slots` to `dst_slots` (both [S]); all sources are read first."""
-    regions = _regions(kv_cache)
-    src_slots, dst_slots = src_slots.long(), dst_slots.long()
-    for offsets in (layout.key_offsets, layout.value_offsets):
-        rows = regions[_locate(kv_cache, layout, src_slots, offsets)]
-        regions[_locate(kv_cache, layout, dst_slots, offsets)] = rows
+def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values), each [S, num_kv_heads, head_size], at a `row_index`."""
+    rows = kv_cache.view(-1)[index]
+    return rows[0], rows[1]
+
+
+def move_rows(kv_cache: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """Copy the token rows at `src_index` to `dst_index` (both `row_index`es); sources are read first."""
+    flat = kv_cache.view(-1)
+    flat[dst_index] = flat[src_index]

@@ -27,7 +27,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_ddtree.core import TreeAcceptance, accept_tree, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionMetadata
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout
+from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.support import check_request
 from vllm_ddtree.vllm.verify import ProposedTree, ScheduledTree, TreeVerifyBatch
@@ -51,7 +51,7 @@ class DDTreeModelRunner(CPUModelRunner):
             check_request(new_req.req_id, new_req.sampling_params)
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         proposed, self._proposed = self._proposed, {}
-        self._verify = self._node_slots = None
+        self._verify = self._node_slots = self._accepted = None
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return result
@@ -129,12 +129,19 @@ class DDTreeModelRunner(CPUModelRunner):
         assert self._node_slots is not None
         src = self._node_slots.gather(1, plan.src_offsets)[plan.is_move]
         dst = self._node_slots.gather(1, plan.dst_offsets)[plan.is_move]
-        draft_layers = self.drafter._draft_attn_layer_names
-        for name, layer in get_layers_from_vllm_config(self.vllm_config, Attention).items():
-            if name in draft_layers:
-                continue
+        indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self._target_attention_layers():
             kv_cache = layer.kv_cache
-            move_rows(kv_cache, probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype), src, dst)
+            layout = probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype)
+            key = (id(layout), layer.num_kv_heads)
+            if key not in indices:
+                indices[key] = (row_index(layout, src, layer.num_kv_heads), row_index(layout, dst, layer.num_kv_heads))
+            move_rows(kv_cache, *indices[key])
+
+    def _target_attention_layers(self) -> list[Attention]:
+        draft_layers = self.drafter._draft_attn_layer_names
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        return [layer for name, layer in layers.items() if name not in draft_layers]
 
     # ---- 4. draft context in path order, then the DFlash draft ------------------------------------
     def propose_draft_token_ids(

@@ -133,4 +133,5 @@ class TreeVerifyBatch:
         ancestors = self.ancestor_mask.gather(2, column.clamp(0, num_nodes - 1).unsqueeze(1).expand(-1, num_nodes, -1))
         mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
         mask = torch.where(self.tree.valid.unsqueeze(2), mask, mask[:, :1])
-        return TreeAttention(query_rows=self.node_rows(), kv_slots=kv_slots, mask=mask, valid=self.tree.valid)
+        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+        return TreeAttention(query_rows=self.node_rows(), kv_slots=kv_slots, bias=bias, valid=self.tree.valid)

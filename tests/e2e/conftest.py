@@ -1,0 +1,129 @@
+"""Shared e2e fixtures: tiny target + DFlash draft pairs on disk and in-process vLLM CPU engines.
+
+Every engine configuration runs once per session (`engine_runs`); tests compare the cached results.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in the test process (~3 s start)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+from tests.e2e.pairs import build_pair
+
+KV_CACHE_BYTES = 128 * 2**20
+MAX_MODEL_LEN = 512
+CHUNK = 64  # max_num_batched_tokens: the longest prompt is prefilled in chunks
+PROMPT_LENGTHS = (3, 7, 12, 20, 31, 45, 70, 100)
+MAX_TOKENS = 32
+
+
+def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Token-id prompts of the given lengths (ids 1..499; the mask token 511 never appears)."""
+    return [{"prompt_token_ids": [(7 * (i + seed) + 13 * j * j + 3 * j) % 499 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
+
+
+@dataclass
+class Run:
+    """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters of
+    `LLM.get_metrics()`, and (method 'ddtree') every verify step's (TreeVerifyBatch, TreeAcceptance)."""
+
+    token_ids: list[list[int]]
+    finish_reasons: list[str]
+    metrics: dict[str, Any]
+    steps: list[tuple[Any, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens committed per verify step (accepted draft tokens + bonus)."""
+        return 1 + self.metrics["vllm:spec_decode_num_accepted_tokens"] / self.metrics["vllm:spec_decode_num_drafts"]
+
+
+def _spec_metrics(llm) -> dict[str, Any]:
+    out = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            out[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
+    return out
+
+
+def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -> Run:
+    """Build an in-process engine, generate, record, shut it down."""
+    from vllm import LLM
+
+    kwargs = dict(
+        model=target,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        distributed_executor_backend="uni",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=16,
+        disable_log_stats=False,
+        seed=0,
+    )
+    kwargs.update(llm_kwargs)
+    llm = LLM(speculative_config=spec, **kwargs)
+    steps: list[tuple[Any, Any]] = []
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    if spec is not None and spec.get("method") == "ddtree":
+        sample = runner._sample
+
+        def recording_sample(*args, **kw):
+            out = sample(*args, **kw)
+            if runner._accepted is not None:
+                steps.append(runner._accepted)
+            return out
+
+        runner._sample = recording_sample
+    try:
+        outs = llm.generate(requests, params, use_tqdm=False)
+        return Run(
+            token_ids=[list(o.outputs[0].token_ids) for o in outs],
+            finish_reasons=[o.outputs[0].finish_reason for o in outs],
+            metrics=_spec_metrics(llm),
+            steps=steps,
+        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pair_dirs(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """{"random": (target, draft), "focused": (target, draft)}."""
+    root = tmp_path_factory.mktemp("pairs")
+    return {name: build_pair(str(root / name), focused=name == "focused") for name in ("random", "focused")}
+
+
+@pytest.fixture(scope="session")
+def engine_runs(pair_dirs) -> Callable[..., Run]:
+    """engine_runs(pair, spec, **llm_kwargs) -> Run over the standard prompts, computed once per session.
+
+    spec: None (plain decoding), ("dflash", k) or ("ddtree", budget[, extra keys dict]).
+    """
+    from vllm import SamplingParams
+
+    cache: dict[str, Run] = {}
+
+    def get(pair: str, spec: tuple | None, **llm_kwargs) -> Run:
+        key = json.dumps([pair, spec, llm_kwargs], sort_keys=True)
+        if key not in cache:
+            target, draft = pair_dirs[pair]
+            config = None
+            if spec is not None:
+                method, k, *extra = spec
+                config = {"method": method, "model": draft, "num_speculative_tokens": k, **(extra[0] if extra else {})}
+            params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            cache[key] = run_engine(target, config, prompts(), params, **llm_kwargs)
+        return cache[key]
+
+    return get
