@@ -1,68 +1,44 @@
 """The Triton tree-attention kernel equals the torch reference, which equals a per-query loop oracle.
 
-The kernels run in Triton's CPU interpreter. TRITON_INTERPRET=1 is set only while this module imports
-the kernels (triton.jit picks interpreter or compiler when a function is decorated) and restored
-afterwards, so other test modules in the same process are unaffected.
+The kernels run in Triton's CPU interpreter, which needs TRITON_INTERPRET=1 from before triton is first
+imported (triton's own library functions are decorated at that import). So this module runs only in a
+process started with it: test_interpreter_process.py starts one; in any other process it skips itself.
+By hand: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_tree_attention.py
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import math
 import os
+
+import pytest
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("runs in its own TRITON_INTERPRET=1 process (test_interpreter_process.py)", allow_module_level=True)
+
+import contextlib
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
 from unittest import mock
 
 import numpy as np
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-
-@contextlib.contextmanager
-def triton_interpreter() -> Iterator[None]:
-    """TRITON_INTERPRET=1 for the duration: triton.jit reads it when decorating and the interpreter
-    again when launching. Restored afterwards so other test modules in this process see no change."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-with triton_interpreter():
-    from triton.runtime.interpreter import InterpretedFunction
-
-    # import_module, not `import ... as`: the package re-exports a function of the module's name
-    tree_attention_module = importlib.import_module("vllm_ddtree.kernels.tree_attention")
-    if not isinstance(tree_attention_module._tree_attention_kernel, InterpretedFunction):
-        tree_attention_module = importlib.reload(tree_attention_module)  # imported earlier for a GPU
-
 from vllm_ddtree.kernels.problems import TreeVerifyProblem, make_problem
+from vllm_ddtree.kernels.tree_attention import TreeAttentionConfig, default_config, plan_row_tiles, tree_attention
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference
 from vllm_ddtree.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
-
-TreeAttentionConfig = tree_attention_module.TreeAttentionConfig
-tree_attention = tree_attention_module.tree_attention
-plan_row_tiles = tree_attention_module.plan_row_tiles
-default_config = tree_attention_module.default_config
 
 SMALL_CONFIGS = [TreeAttentionConfig(16, 16, 4, 1, splits) for splits in (1, 2, 3)] + [TreeAttentionConfig(64, 32, 4, 1, splits) for splits in (1, 2)]
 
 
 def run_kernel(problem: TreeVerifyProblem, config: TreeAttentionConfig | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    with triton_interpreter():
-        return tree_attention(
-            problem.query, problem.key_cache, problem.value_cache, problem.block_table, problem.seq_lens, problem.mask_bits, problem.scale, out=out, config=config
-        )
+    return tree_attention(
+        problem.query, problem.key_cache, problem.value_cache, problem.block_table, problem.seq_lens, problem.mask_bits, problem.scale, out=out, config=config
+    )
 
 
 def run_reference(problem: TreeVerifyProblem, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -161,7 +137,7 @@ def test_kernel_half_precision_within_dtype_tolerance_of_fp32_reference(dtype, a
 def test_head_size_128_with_default_config_and_row_tail():
     """Qwen3-like group of 4 with budget 16: 68 rows = one 64-row tile + a 16-row tail on it."""
     problem = make_problem([45, 0], budget=16, num_kv_heads=1, group=4, head_size=128, kv_block_size=16, dtype=torch.float32, seed=3)
-    assert plan_row_tiles(17 * 4, default_config(17, 4, 128).block_m) == (64, 1, 16)
+    assert plan_row_tiles(17 * 4, default_config(17, 4, 128, torch.bfloat16).block_m) == (64, 1, 16)
     torch.testing.assert_close(run_kernel(problem, None), run_reference(problem), atol=2e-5, rtol=2e-5)
 
 
@@ -192,7 +168,7 @@ def test_row_tiles_cover_every_row_with_small_tails(num_rows, block_m):
 
 
 def test_qwen3_8b_budget_64_pads_260_rows_to_272():
-    config = default_config(65, 4, 128)
+    config = default_config(65, 4, 128, torch.bfloat16)
     assert plan_row_tiles(260, config.block_m) == (128, 2, 16) and config.num_warps == 8
 
 

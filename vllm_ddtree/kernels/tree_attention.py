@@ -22,7 +22,7 @@ instead of 384, and no extra pass over the cache. The programs of one (r, h) are
 order, so their shared K/V stream comes from L2 after the first read.
 
 Split-K. When R * num_kv_heads * tiles cannot fill the GPU (batch 1), the prefix is cut into
-NUM_SPLITS chunks handled by different programs; each writes a normalised partial output and its
+num_splits chunks handled by different programs; each writes a normalised partial output and its
 log-sum-exp, and `_merge_splits_kernel` combines them. The tree keys go to the last split.
 
 CUDA graphs. The grid and every constexpr depend only on static shapes (R, N, heads, head size,
@@ -52,40 +52,25 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(
-    cache_ptr,
-    block_table_row_ptr,
-    positions,
-    valid,
-    head,
-    offs_d,
-    d_valid,
-    stride_b,
-    stride_s,
-    stride_h,
-    KV_BLOCK_SIZE: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
-):
-    """Gather cache rows at token `positions` [BLOCK_KV] of one kv head: [D, BLOCK_KV] if TRANSPOSED
-    (keys, ready for q @ k) else [BLOCK_KV, D] (values). Invalid positions read as 0."""
+def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, valid, head, offs_d, d_valid, stride_b, stride_s, stride_h, KV_BLOCK_SIZE: tl.constexpr):
+    """[BLOCK_KV, D] cache rows of one kv head at token `positions` (through the block table);
+    invalid positions read as 0."""
     block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     row = block * stride_b + (positions % KV_BLOCK_SIZE) * stride_s + head * stride_h
-    if TRANSPOSED:
-        return tl.load(cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :] & d_valid[:, None], other=0.0)
     return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
 
 
 @triton.jit
 def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
-    """One key tile of flash attention for a row group: scores in log2 units, running max m_i,
-    running denominator l_i, unnormalised accumulator acc [M, D] (all float32)."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
+    """One key tile of flash attention for a row group: q [M, D], k and v [BLOCK_KV, D]; scores in
+    log2 units, running max m_i, running denominator l_i, unnormalised accumulator acc [M, D] (fp32)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
     s = tl.where(allowed, s, MASKED)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -122,20 +107,21 @@ def _store_rows(
     GROUP: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    SPLIT_OUTPUT: tl.constexpr,
 ):
-    """Write a row group: the final output if there is one split, else its normalised partial
-    output and log2-sum-exp into the [R, N, Hq, NUM_SPLITS] workspace."""
+    """Write a row group: the final output, or with SPLIT_OUTPUT its normalised partial output and
+    log2-sum-exp into the [R, N, Hq, num_splits] workspace."""
     nodes = rows // GROUP
     q_heads = kv_head * GROUP + rows % GROUP
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     store_mask = row_valid[:, None] & d_valid[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT_OUTPUT:
         ptrs = out_ptr + request * stride_o_r + nodes[:, None] * stride_o_n + q_heads[:, None] * stride_o_h + offs_d[None, :]
         tl.store(ptrs, o.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        part = ((request * NUM_NODES + nodes) * NUM_Q_HEADS + q_heads) * NUM_SPLITS + split
+        part = ((request * NUM_NODES + nodes) * NUM_Q_HEADS + q_heads) * num_splits + split
         tl.store(o_part_ptr + part[:, None].to(tl.int64) * HEAD_SIZE + offs_d[None, :], o, mask=store_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), MASKED)
         tl.store(lse_part_ptr + part, lse, mask=row_valid)
@@ -190,7 +176,8 @@ def _attend(
     BLOCK_M: tl.constexpr,
     TAIL_M: tl.constexpr,
     BLOCK_KV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
+    SPLIT_OUTPUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Rows row_start .. row_start + BLOCK_M - 1 (and, if TAIL_M > 0, the TAIL_M rows after them)
@@ -217,26 +204,26 @@ def _attend(
 
     # Prefix keys: every row sees every position; this split owns [lo, hi).
     prefix_len = tl.maximum(tl.load(seq_lens_ptr + request) - NUM_NODES, 0)
-    chunk = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_KV) * BLOCK_KV
+    chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_KV) * BLOCK_KV
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     for kv_start in range(lo, hi, BLOCK_KV):
         positions = kv_start + tl.arange(0, BLOCK_KV)
         key_valid = positions < hi
-        k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE, True)
-        v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE, False)
+        k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE)
+        v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE)
         m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, key_valid[None, :], m_a, l_a, acc_a, scale_log2e, DOT_PRECISION)
         if TAIL_M > 0:
             m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, key_valid[None, :], m_b, l_b, acc_b, scale_log2e, DOT_PRECISION)
 
     # Tree keys (last split only): node j at position prefix_len + j, visible iff its mask bit is set.
-    if split == NUM_SPLITS - 1:
+    if split == num_splits - 1:
         for tree_start in range(0, NUM_NODES, BLOCK_KV):
             keys = tree_start + tl.arange(0, BLOCK_KV)
             key_valid = keys < NUM_NODES
             positions = prefix_len + keys
-            k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE, True)
-            v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE, False)
+            k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE)
+            v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE)
             allowed_a = _tree_bits(mask_row_ptr, rows_a // GROUP, valid_a, keys, key_valid, stride_mask_n)
             m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, allowed_a, m_a, l_a, acc_a, scale_log2e, DOT_PRECISION)
             if TAIL_M > 0:
@@ -244,13 +231,13 @@ def _attend(
                 m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, allowed_b, m_b, l_b, acc_b, scale_log2e, DOT_PRECISION)
 
     _store_rows(acc_a, m_a, l_a, rows_a, valid_a, request, kv_head, split, out_ptr, o_part_ptr, lse_part_ptr, offs_d, d_valid,
-                stride_o_r, stride_o_n, stride_o_h, NUM_NODES, GROUP, NUM_Q_HEADS, HEAD_SIZE, NUM_SPLITS)  # fmt: skip
+                stride_o_r, stride_o_n, stride_o_h, NUM_NODES, GROUP, NUM_Q_HEADS, HEAD_SIZE, num_splits, SPLIT_OUTPUT)  # fmt: skip
     if TAIL_M > 0:
         _store_rows(acc_b, m_b, l_b, rows_b, valid_b, request, kv_head, split, out_ptr, o_part_ptr, lse_part_ptr, offs_d, d_valid,
-                    stride_o_r, stride_o_n, stride_o_h, NUM_NODES, GROUP, NUM_Q_HEADS, HEAD_SIZE, NUM_SPLITS)  # fmt: skip
+                    stride_o_r, stride_o_n, stride_o_h, NUM_NODES, GROUP, NUM_Q_HEADS, HEAD_SIZE, num_splits, SPLIT_OUTPUT)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _tree_attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -277,6 +264,7 @@ def _tree_attention_kernel(
     stride_bt_r,
     stride_mask_r,
     stride_mask_n,
+    num_splits,
     NUM_NODES: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -287,10 +275,10 @@ def _tree_attention_kernel(
     NUM_TILES: tl.constexpr,
     TAIL_M: tl.constexpr,
     BLOCK_KV: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_OUTPUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (NUM_TILES, NUM_SPLITS, R * NUM_KV_HEADS); tile varies fastest so that the programs
+    """Grid (NUM_TILES, num_splits, R * NUM_KV_HEADS); tile varies fastest so that the programs
     sharing one (request, kv head, split) key stream run side by side."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -302,16 +290,16 @@ def _tree_attention_kernel(
                 scale_log2e, request, kv_head, split, tile * BLOCK_M, stride_q_r, stride_q_n, stride_q_h,
                 stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_o_r, stride_o_n, stride_o_h,
                 stride_bt_r, stride_mask_r, stride_mask_n, NUM_NODES, GROUP, NUM_KV_HEADS * GROUP, HEAD_SIZE, HEAD_PAD,
-                KV_BLOCK_SIZE, BLOCK_M, TAIL_M, BLOCK_KV, NUM_SPLITS, DOT_PRECISION)  # fmt: skip
+                KV_BLOCK_SIZE, BLOCK_M, TAIL_M, BLOCK_KV, num_splits, SPLIT_OUTPUT, DOT_PRECISION)  # fmt: skip
     else:
         _attend(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, mask_bits_ptr, o_part_ptr, lse_part_ptr,
                 scale_log2e, request, kv_head, split, tile * BLOCK_M, stride_q_r, stride_q_n, stride_q_h,
                 stride_k_b, stride_k_s, stride_k_h, stride_v_b, stride_v_s, stride_v_h, stride_o_r, stride_o_n, stride_o_h,
                 stride_bt_r, stride_mask_r, stride_mask_n, NUM_NODES, GROUP, NUM_KV_HEADS * GROUP, HEAD_SIZE, HEAD_PAD,
-                KV_BLOCK_SIZE, BLOCK_M, 0, BLOCK_KV, NUM_SPLITS, DOT_PRECISION)  # fmt: skip
+                KV_BLOCK_SIZE, BLOCK_M, 0, BLOCK_KV, num_splits, SPLIT_OUTPUT, DOT_PRECISION)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     o_part_ptr,
     lse_part_ptr,
@@ -319,11 +307,11 @@ def _merge_splits_kernel(
     stride_o_r,
     stride_o_n,
     stride_o_h,
+    num_splits,
     NUM_NODES: tl.constexpr,
     NUM_Q_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     """One program per (request, node, q head): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max lse)."""
@@ -333,11 +321,11 @@ def _merge_splits_kernel(
     q_head = row % NUM_Q_HEADS
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_PAD)
-    s_valid = offs_s < NUM_SPLITS
+    s_valid = offs_s < num_splits
     d_valid = offs_d < HEAD_SIZE
-    lse = tl.load(lse_part_ptr + row * NUM_SPLITS + offs_s, mask=s_valid, other=MASKED)
+    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=s_valid, other=MASKED)
     weight = tl.exp2(lse - tl.max(lse, 0))
-    part = (row * NUM_SPLITS + offs_s).to(tl.int64)
+    part = (row * num_splits + offs_s).to(tl.int64)
     o = tl.load(o_part_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], mask=s_valid[:, None] & d_valid[None, :], other=0.0)
     merged = tl.sum(o * weight[:, None], 0) / tl.sum(weight, 0)
     ptrs = out_ptr + request * stride_o_r + node * stride_o_n + q_head * stride_o_h + offs_d
@@ -378,24 +366,46 @@ def plan_row_tiles(num_rows: int, block_m: int) -> tuple[int, int, int]:
     return block_m, num_tiles + 1, 0
 
 
-def default_config(num_nodes: int, group: int, head_size: int) -> TreeAttentionConfig:
-    """Pick the row tile with the least padding (ties: the larger tile, which re-reads K/V less);
-    128 rows need 8 warps, and head size 256 caps tiles at 64 rows to keep the accumulator in registers."""
+def default_config(num_nodes: int, group: int, head_size: int, dtype: torch.dtype) -> TreeAttentionConfig:
+    """Launch tuning from static shapes, checked for spills with ptxas for sm_90a (see
+    tests/kernels/test_tree_attention_compiles.py); GPU timings in benchmarks/gpu_check.py.
+
+    bf16/fp16 with D <= 128: the row tile (128 or 64) with the least padding, ties to 128 (fewer
+    re-reads of K/V), 8 warps for 128 rows; 64-key steps, 3 stages. D > 128 or fp32 (exact "ieee"
+    dot, a correctness path without tensor cores): 64 rows, 32-key steps, 8 warps, 2 stages.
+    """
+    if dtype == torch.float32 or head_size > 128:
+        return TreeAttentionConfig(block_m=64, block_kv=32, num_warps=8, num_stages=2)
     num_rows = num_nodes * group
-    candidates = (64,) if head_size > 128 else (128, 64)
 
     def padded_rows(block_m: int) -> int:
         tile, tiles, tail = plan_row_tiles(num_rows, block_m)
         return tile * tiles + tail
 
-    block_m = min(candidates, key=padded_rows)
+    block_m = min((128, 64), key=padded_rows)
     tile, _, _ = plan_row_tiles(num_rows, block_m)
-    return TreeAttentionConfig(
-        block_m=block_m,
-        block_kv=32 if head_size > 128 else 64,
-        num_warps=8 if tile >= 128 else 4,
-        num_stages=2 if head_size > 128 else 3,
-    )
+    return TreeAttentionConfig(block_m=block_m, block_kv=64, num_warps=8 if tile >= 128 else 4, num_stages=3)
+
+
+def kernel_constants(
+    num_nodes: int, num_kv_heads: int, group: int, head_size: int, kv_block_size: int, dtype: torch.dtype, config: TreeAttentionConfig, split_output: bool
+) -> dict[str, int | bool | str]:
+    """The constexpr arguments of `_tree_attention_kernel` for these static shapes."""
+    block_m, num_tiles, tail_m = plan_row_tiles(num_nodes * group, config.block_m)
+    return {
+        "NUM_NODES": num_nodes,
+        "NUM_KV_HEADS": num_kv_heads,
+        "GROUP": group,
+        "HEAD_SIZE": head_size,
+        "HEAD_PAD": _next_pow2(head_size),
+        "KV_BLOCK_SIZE": kv_block_size,
+        "BLOCK_M": block_m,
+        "NUM_TILES": num_tiles,
+        "TAIL_M": tail_m,
+        "BLOCK_KV": config.block_kv,
+        "SPLIT_OUTPUT": split_output,
+        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }
 
 
 @lru_cache(maxsize=8)
@@ -452,29 +462,26 @@ def tree_attention(
     if out is None:
         out = torch.empty_like(query)
     group = num_q_heads // num_kv_heads
-    config = config or default_config(num_nodes, group, head_size)
-    block_m, num_tiles, tail_m = plan_row_tiles(num_nodes * group, config.block_m)
+    config = config or default_config(num_nodes, group, head_size, query.dtype)
+    _, num_tiles, _ = plan_row_tiles(num_nodes * group, config.block_m)
     base_programs = num_tiles * num_req * num_kv_heads
     num_splits = config.num_splits or default_num_splits(base_programs, block_table.shape[1] * kv_block_size, query.device)
     if num_splits > 1:
         o_part = torch.empty((num_req, num_nodes, num_q_heads, num_splits, head_size), dtype=torch.float32, device=query.device)
         lse_part = torch.empty((num_req, num_nodes, num_q_heads, num_splits), dtype=torch.float32, device=query.device)
     else:
-        o_part = lse_part = out  # unused when NUM_SPLITS == 1
-    head_pad = _next_pow2(head_size)
+        o_part = lse_part = out  # unused without SPLIT_OUTPUT
+    constants = kernel_constants(num_nodes, num_kv_heads, group, head_size, kv_block_size, query.dtype, config, num_splits > 1)
     _tree_attention_kernel[(num_tiles, num_splits, num_req * num_kv_heads)](
         query, key_cache, value_cache, out, block_table, seq_lens, mask_bits, o_part, lse_part,
         scale * LOG2E, *query.stride()[:3], *key_cache.stride()[:3], *value_cache.stride()[:3], *out.stride()[:3],
-        block_table.stride(0), mask_bits.stride(0), mask_bits.stride(1),
-        NUM_NODES=num_nodes, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-        KV_BLOCK_SIZE=kv_block_size, BLOCK_M=block_m, NUM_TILES=num_tiles, TAIL_M=tail_m, BLOCK_KV=config.block_kv,
-        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        block_table.stride(0), mask_bits.stride(0), mask_bits.stride(1), num_splits,
+        **constants, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_req * num_nodes * num_q_heads,)](
-            o_part, lse_part, out, *out.stride()[:3],
-            NUM_NODES=num_nodes, NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
-            NUM_SPLITS=num_splits, SPLITS_PAD=max(2, _next_pow2(num_splits)), num_warps=4,
+            o_part, lse_part, out, *out.stride()[:3], num_splits,
+            NUM_NODES=num_nodes, NUM_Q_HEADS=num_q_heads, HEAD_SIZE=head_size, HEAD_PAD=constants["HEAD_PAD"],
+            SPLITS_PAD=max(2, _next_pow2(num_splits)), num_warps=4,
         )  # fmt: skip
     return out
