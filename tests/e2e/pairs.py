@@ -2,14 +2,16 @@
 
 - random pair: random weights; the draft almost never agrees with the target, so it checks that
   verification is exact whatever the draft proposes.
-- focused pair: every token's embedding and the draft's mask embedding share a direction `u`, and the
-  LM-head rows of a few FOCUS tokens point along `u`; the target's greedy choice is therefore always a
-  FOCUS token, which one depending on the whole context (attention and MLPs keep random weights), and
-  the draft (whose mask-token embedding is `u` itself) spreads its mass almost evenly over the FOCUS
-  tokens at every depth. A tree that holds every FOCUS path up to some depth accepts that deep, mostly
-  through non-rank-0 children, while a chain rarely gets past its first token: acceptance exercises
-  tree attention, the walk, KV compaction and the draft context end to end. Its
-  generation_config.json names EOS_TOKEN_ID (a FOCUS token), so requests without ignore_eos stop on it.
+- focused pair: every token's embedding has a component along a direction `u`, and the LM-head rows
+  of four FOCUS tokens are 6u (+0.1u per FOCUS index) plus noise orthogonal to `u`: the target's greedy
+  token is always a FOCUS token, which one set by the noise part of its hidden state, i.e. by the
+  context (attention and MLP outputs are scaled down, not removed: greedy outputs change when
+  attention is switched off). The mask token's embedding is 6u and the draft's layer outputs are tiny,
+  so at every depth the draft ranks the FOCUS tokens in the fixed order of their `u` component with
+  well-spread probabilities: its top-1 is often wrong, its top-4 always holds the target's token.
+  Measured on the standard prompts: DFlash's chain commits ~1.5 tokens per step, a tree of 7 or 32
+  nodes ~2.8, mostly through non-rank-0 children. Its generation_config.json names EOS_TOKEN_ID (a
+  FOCUS token), so requests without ignore_eos stop on it.
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
             head = target.lm_head.weight
             head.mul_(0.1)
             noise = torch.randn(len(FOCUS), HIDDEN, generator=gen) * 0.4
-            head[list(FOCUS)] = 6.0 * u + noise - torch.outer(noise @ u, u)  # FOCUS logits tie along u
-            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u  # draft queries: ~uniform over FOCUS
+            along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
+            head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
+            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
     target_dir = os.path.join(out_dir, "target")
     target.save_pretrained(target_dir, safe_serialization=True)
     if focused:
@@ -84,7 +87,7 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
     weights["hidden_norm.weight"] = torch.ones(HIDDEN)
     if focused:
         for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-            weights[name].mul_(0.05)
+            weights[name].mul_(0.002)
     draft_dir = os.path.join(out_dir, "draft")
     os.makedirs(draft_dir, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))

@@ -1,0 +1,126 @@
+"""The plugin: leaves plain decoding and method 'dflash' untouched, refuses other vLLM versions,
+patches only through the patch utility, and fails clearly on what method 'ddtree' does not support."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.pairs import BLOCK_SIZE
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_WITHOUT_PLUGIN = """
+import json, sys
+from vllm import SamplingParams
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from tests.e2e.conftest import MAX_TOKENS, prompts, run_engine
+target, draft = sys.argv[1:3]
+params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+plain = run_engine(target, None, prompts(), params)
+dflash = run_engine(target, {"method": "dflash", "model": draft, "num_speculative_tokens": %d}, prompts(), params)
+print("RESULT" + json.dumps({"backend": AttentionBackendEnum.CPU_ATTN.get_path(), "plain": plain.token_ids,
+                             "dflash": dflash.token_ids, "dflash_metrics": dflash.metrics}))
+""" % (BLOCK_SIZE - 1)
+
+
+def test_plain_and_dflash_unaffected_by_plugin(engine_runs, pair_dirs):
+    """Same outputs and DFlash counters with the plugin loaded (this process) and without it
+    (a fresh process with VLLM_PLUGINS set to load no plugin)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_ddtree.vllm.plugin import ATTENTION_BACKEND
+
+    plain = engine_runs("random", None)
+    dflash = engine_runs("random", ("dflash", BLOCK_SIZE - 1))
+    assert AttentionBackendEnum.CPU_ATTN.get_path() == ATTENTION_BACKEND
+
+    env = {**os.environ, "VLLM_PLUGINS": "", "PYTHONPATH": REPO_ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_PLUGIN, *pair_dirs["random"]],
+        env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    without = json.loads(lines[-1][len("RESULT"):])
+    assert without["backend"] != ATTENTION_BACKEND
+    assert without["plain"] == plain.token_ids
+    assert without["dflash"] == dflash.token_ids
+    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"):
+        assert without["dflash_metrics"][name] == dflash.metrics[name]
+
+
+def test_other_vllm_version_fails_at_start(monkeypatch):
+    import vllm
+
+    from vllm_ddtree.vllm import plugin
+    from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.0 only, but vLLM 0\.33\.0"):
+        plugin.register()
+
+
+def test_patch_utility_refuses_double_patching():
+    from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
+
+    class Toy:
+        def greet(self) -> str:
+            return "hi"
+
+    patch = Patch(owner=Toy, name="greet", make=lambda orig: lambda self: orig(self) + "!", why="test", remove_when="never")
+    apply_patch(patch)
+    assert Toy().greet() == "hi!" and is_patched(Toy, "greet")
+    with pytest.raises(RuntimeError, match="already patched"):
+        apply_patch(patch)
+
+
+def test_engine_args_patch_is_declared_and_applied():
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree.vllm.patches import all_patches
+    from vllm_ddtree.vllm.patching import is_patched
+
+    assert [(p.owner, p.name) for p in all_patches()] == [(EngineArgs, "create_engine_config")]
+    assert is_patched(EngineArgs, "create_engine_config")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"draft_sample_method": "probabilistic"}, r"\['draft_sample_method'\] are not supported with method 'ddtree'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens \\(the tree budget\\) >= 1"),
+        ({"ddtree_topk": 0}, "ddtree_topk must be an integer >= 1"),
+    ],
+)
+def test_bad_ddtree_config_fails_before_engine_start(pair_dirs, extra, message):
+    from vllm import LLM
+
+    target, draft = pair_dirs["random"]
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4, **extra}
+    with pytest.raises(ValueError, match=message):
+        LLM(model=target, skip_tokenizer_init=True, speculative_config=spec)
+
+
+def test_async_scheduling_request_fails_clearly(pair_dirs):
+    from vllm import LLM
+
+    target, draft = pair_dirs["random"]
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="does not support async scheduling"):
+        LLM(model=target, skip_tokenizer_init=True, speculative_config=spec, async_scheduling=True)
+
+
+def test_unsupported_sampling_fails_clearly(pair_dirs):
+    from vllm import SamplingParams
+
+    from tests.e2e.conftest import prompts, run_engine
+
+    target, draft = pair_dirs["random"]
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4}
+    with pytest.raises(Exception, match="method 'ddtree' does not support temperature > 0"):
+        run_engine(target, spec, prompts((5,)), SamplingParams(temperature=0.8, max_tokens=4))
