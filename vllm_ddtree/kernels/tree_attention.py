@@ -52,20 +52,35 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(cache_ptr, block_table_row_ptr, positions, valid, head, offs_d, d_valid, stride_b, stride_s, stride_h, KV_BLOCK_SIZE: tl.constexpr):
-    """[BLOCK_KV, D] cache rows of one kv head at token `positions` (through the block table);
-    invalid positions read as 0."""
-    block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    row = block * stride_b + (positions % KV_BLOCK_SIZE) * stride_s + head * stride_h
-    return tl.load(cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None] & d_valid[None, :], other=0.0)
+def _load_kv_tile(
+    cache_ptr, block_table_row_ptr, positions, valid, head, stride_b, stride_s, stride_h,
+    KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_KV, HEAD_PAD] cache rows of one kv head at token `positions` (through the block table).
+    With MASKED, positions where `valid` is False read as 0; without it every position must be valid."""
+    offs_d = tl.arange(0, HEAD_PAD)
+    if MASKED:
+        block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE).to(tl.int64)
+    ptrs = cache_ptr + (block * stride_b + (positions % KV_BLOCK_SIZE) * stride_s + head * stride_h)[:, None] + offs_d[None, :]
+    if MASKED:
+        tile = tl.load(ptrs, mask=valid[:, None] & (offs_d < HEAD_SIZE)[None, :], other=0.0)
+    elif HEAD_PAD != HEAD_SIZE:
+        tile = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2e, DOT_PRECISION: tl.constexpr):
+def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2e, APPLY_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One key tile of flash attention for a row group: q [M, D], k and v [BLOCK_KV, D]; scores in
-    log2 units, running max m_i, running denominator l_i, unnormalised accumulator acc [M, D] (fp32)."""
+    log2 units, running max m_i, running denominator l_i, unnormalised accumulator acc [M, D] (fp32).
+    With APPLY_MASK, scores where `allowed` is False are dropped (full prefix tiles skip that)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
-    s = tl.where(allowed, s, MASKED)
+    if APPLY_MASK:
+        s = tl.where(allowed, s, MASKED)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -202,19 +217,29 @@ def _attend(
         l_b = tl.zeros([TAIL_M], tl.float32)
         acc_b = tl.zeros([TAIL_M, HEAD_PAD], tl.float32)
 
-    # Prefix keys: every row sees every position; this split owns [lo, hi).
+    # Prefix keys: every row sees every position; this split owns [lo, hi): full tiles without masks,
+    # then the partial last tile.
     prefix_len = tl.maximum(tl.load(seq_lens_ptr + request) - NUM_NODES, 0)
     chunk = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_KV) * BLOCK_KV
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    for kv_start in range(lo, hi, BLOCK_KV):
+    span = tl.maximum(hi - lo, 0)
+    full_hi = lo + span - span % BLOCK_KV
+    for kv_start in range(lo, full_hi, BLOCK_KV):
         positions = kv_start + tl.arange(0, BLOCK_KV)
-        key_valid = positions < hi
-        k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE)
-        v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE)
-        m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, key_valid[None, :], m_a, l_a, acc_a, scale_log2e, DOT_PRECISION)
+        k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, None, kv_head, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, False)
+        v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, None, kv_head, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, False)
+        m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, None, m_a, l_a, acc_a, scale_log2e, False, DOT_PRECISION)
         if TAIL_M > 0:
-            m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, key_valid[None, :], m_b, l_b, acc_b, scale_log2e, DOT_PRECISION)
+            m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, None, m_b, l_b, acc_b, scale_log2e, False, DOT_PRECISION)
+    if full_hi < hi:
+        positions = full_hi + tl.arange(0, BLOCK_KV)
+        key_valid = positions < hi
+        k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, True)
+        v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, True)
+        m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, key_valid[None, :], m_a, l_a, acc_a, scale_log2e, True, DOT_PRECISION)
+        if TAIL_M > 0:
+            m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, key_valid[None, :], m_b, l_b, acc_b, scale_log2e, True, DOT_PRECISION)
 
     # Tree keys (last split only): node j at position prefix_len + j, visible iff its mask bit is set.
     if split == num_splits - 1:
@@ -222,13 +247,13 @@ def _attend(
             keys = tree_start + tl.arange(0, BLOCK_KV)
             key_valid = keys < NUM_NODES
             positions = prefix_len + keys
-            k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE)
-            v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, offs_d, d_valid, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE)
+            k = _load_kv_tile(k_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, stride_k_b, stride_k_s, stride_k_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, True)
+            v = _load_kv_tile(v_cache_ptr, block_table_row_ptr, positions, key_valid, kv_head, stride_v_b, stride_v_s, stride_v_h, KV_BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, True)
             allowed_a = _tree_bits(mask_row_ptr, rows_a // GROUP, valid_a, keys, key_valid, stride_mask_n)
-            m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, allowed_a, m_a, l_a, acc_a, scale_log2e, DOT_PRECISION)
+            m_a, l_a, acc_a = _online_softmax_step(q_a, k, v, allowed_a, m_a, l_a, acc_a, scale_log2e, True, DOT_PRECISION)
             if TAIL_M > 0:
                 allowed_b = _tree_bits(mask_row_ptr, rows_b // GROUP, valid_b, keys, key_valid, stride_mask_n)
-                m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, allowed_b, m_b, l_b, acc_b, scale_log2e, DOT_PRECISION)
+                m_b, l_b, acc_b = _online_softmax_step(q_b, k, v, allowed_b, m_b, l_b, acc_b, scale_log2e, True, DOT_PRECISION)
 
     _store_rows(acc_a, m_a, l_a, rows_a, valid_a, request, kv_head, split, out_ptr, o_part_ptr, lse_part_ptr, offs_d, d_valid,
                 stride_o_r, stride_o_n, stride_o_h, NUM_NODES, GROUP, NUM_Q_HEADS, HEAD_SIZE, num_splits, SPLIT_OUTPUT)  # fmt: skip
