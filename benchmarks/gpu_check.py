@@ -3,8 +3,9 @@
 Runs with torch + triton only (no vLLM), in one go of at most ~8 minutes on one H200:
 1. calibration: copy bandwidth (one big tensor copy, read + write bytes) and bf16 matmul rate;
 2. at Qwen3-8B attention shapes (32 q heads, 8 kv heads, head 128, bf16, KV block 16, NHD cache) for
-   context {1k, 8k, 32k} x budget {16, 64, 128} x batch {1, 16}: kernel vs the fp32 torch reference,
-   then kernel and dense-SDPA-baseline timings (CUDA events, medians, L2 flushed before each rep);
+   context {1k, 8k, 32k} x budget {16, 64, 128} x batch {1, 16}: kernel vs the fp32 torch reference
+   (plus contexts 0 and 100, correctness only: with long prefixes a tree-mask error hides under the
+   prefix's weight), then kernel and dense-SDPA-baseline timings (CUDA events, medians, L2 flushed before each rep);
    roofline = max(bytes / copy bandwidth, flops / matmul rate), bytes = the K/V, queries and outputs
    the problem must touch once, flops = 4 * Hq * D * N * seq_len per request (masked tree keys counted);
 3. CUDA graph: capture, change lengths / masks / queries in place, replay == eager (bitwise);
@@ -63,10 +64,11 @@ class Shapes:
     target: tuple[int, int, int]  # (context, budget, batch) the performance targets refer to
     atol: float
     rtol: float
+    tree_contexts: tuple[int, ...]  # correctness only: short prefixes, where the tree keys dominate the output
 
 
-GPU_SHAPES = Shapes(8, 4, 128, 16, torch.bfloat16, (1024, 8192, 32768), (16, 64, 128), (1, 16), (8192, 64, 16), 4e-3, 1.6e-2)
-SMOKE_SHAPES = Shapes(2, 2, 32, 16, torch.float32, (0, 37), (4, 12), (1, 2), (37, 12, 2), 1e-5, 1e-5)
+GPU_SHAPES = Shapes(8, 4, 128, 16, torch.bfloat16, (1024, 8192, 32768), (16, 64, 128), (1, 16), (8192, 64, 16), 4e-3, 1.6e-2, (0, 100))
+SMOKE_SHAPES = Shapes(2, 2, 32, 16, torch.float32, (0, 37), (4, 12), (1, 2), (37, 12, 2), 1e-5, 1e-5, (5,))
 GPU_SWEEP = [
     TreeAttentionConfig(128, 64, 8, 3),
     TreeAttentionConfig(128, 64, 8, 2),
@@ -279,10 +281,12 @@ def main() -> int:
 
     target = shapes.target
     combos = [target] + [c for c in itertools.product(shapes.contexts, shapes.budgets, shapes.batches) if c != target]
+    tree_combos = list(itertools.product(shapes.tree_contexts, shapes.budgets, shapes.batches))
     result["cases"] = []
     print(TABLE_HEADER)
-    for context, budget, batch in combos:
-        row = check_case(shapes, context, budget, batch, device, clock, result["calibration"], timed=in_time())
+    for context, budget, batch in combos + tree_combos:
+        timed = (context, budget, batch) in combos and in_time()
+        row = check_case(shapes, context, budget, batch, device, clock, result["calibration"], timed=timed)
         result["cases"].append(row)
         print(table_row(row), flush=True)
         if device.type == "cuda":

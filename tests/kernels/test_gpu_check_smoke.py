@@ -19,4 +19,5 @@ def test_gpu_check_smoke_mode_passes_and_writes_its_json(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["mode"] == "smoke" and report["all_correct"]
-    assert {(c["context"], c["budget"], c["batch"]) for c in report["cases"]} == {(c, b, r) for c in (0, 37) for b in (4, 12) for r in (1, 2)}
+    assert {(c["context"], c["budget"], c["batch"]) for c in report["cases"]} == {(c, b, r) for c in (0, 5, 37) for b in (4, 12) for r in (1, 2)}
+    assert all("kernel_ms" in c for c in report["cases"] if c["context"] != 5)  # the tree-only cases are not timed
