@@ -33,12 +33,12 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[dict[str, list[int]]]
 @dataclass
 class Run:
     """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters of
-    `LLM.get_metrics()`, and (method 'ddtree') every verify step's (TreeVerifyBatch, TreeAcceptance)."""
+    `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedStep`)."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
     metrics: dict[str, Any]
-    steps: list[tuple[Any, Any]] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -73,15 +73,15 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
     )
     kwargs.update(llm_kwargs)
     llm = LLM(speculative_config=spec, **kwargs)
-    steps: list[tuple[Any, Any]] = []
+    steps: list[Any] = []
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     if spec is not None and spec.get("method") == "ddtree":
         sample = runner._sample
 
         def recording_sample(*args, **kw):
             out = sample(*args, **kw)
-            if runner._accepted is not None:
-                steps.append(runner._accepted)
+            if runner._verified is not None:
+                steps.append(runner._verified)
             return out
 
         runner._sample = recording_sample

@@ -50,8 +50,8 @@ def test_requests_run_up_to_max_model_len_and_trees_stay_inside(edge_runs):
     for prompt, out, reason in zip(LONG_PROMPTS, outputs, reasons):
         assert len(prompt["prompt_token_ids"]) + len(out) == MAX_MODEL_LEN
         assert reason == "length"
-    for verify, _ in run.steps:
-        assert int((verify.starts + verify.tree.num_nodes).max()) <= MAX_MODEL_LEN
+    for step in run.steps:
+        assert int((step.batch.starts + step.batch.tree.num_nodes).max()) <= MAX_MODEL_LEN
 
 
 def test_max_tokens_one_emits_one_token(edge_runs):
@@ -67,8 +67,8 @@ def test_eos_inside_accepted_path_ends_the_output(edge_runs):
     assert stopped and all(out[-1] == EOS_TOKEN_ID and EOS_TOKEN_ID not in out[:-1] for out in stopped)
     eos_then_more = [
         row[: n].index(EOS_TOKEN_ID) < n - 1
-        for _, acceptance in run.steps
-        for row, n in zip(acceptance.output_token_ids.tolist(), acceptance.num_accepted.tolist())
+        for step in run.steps
+        for row, n in zip(step.acceptance.output_token_ids.tolist(), step.acceptance.num_accepted.tolist())
         if EOS_TOKEN_ID in row[:n]
     ]
     assert any(eos_then_more), "no verify step accepted tokens past an EOS"

@@ -30,11 +30,11 @@ def test_tree_accepts_deep_and_off_the_greedy_chain(engine_runs):
     run = engine_runs("focused", ("ddtree", 32))
     assert run.tokens_per_step > 1.5
     ranks_of_accepted = []
-    for verify, acceptance in run.steps:
-        nodes = acceptance.accepted_nodes
-        ranks_of_accepted += verify.tree.ranks.gather(1, nodes.clamp(min=0))[nodes > 0].tolist()
+    for step in run.steps:
+        nodes = step.acceptance.accepted_nodes
+        ranks_of_accepted += step.batch.tree.ranks.gather(1, nodes.clamp(min=0))[nodes > 0].tolist()
     assert any(rank > 0 for rank in ranks_of_accepted), "every accepted node was a rank-0 child"
-    assert max(int(a.num_accepted.max()) for _, a in run.steps) >= 3
+    assert max(int(step.acceptance.num_accepted.max()) for step in run.steps) >= 3
 
 
 def test_tree_of_top1_candidates_is_dflash_chain(engine_runs):
@@ -57,8 +57,8 @@ def test_spec_decode_metrics_count_tree_steps(engine_runs):
     """drafts = verify steps, draft tokens = verified nodes, accepted = accepted nodes, per-position
     counter i = steps that accepted a node at depth i + 1."""
     run = engine_runs("focused", ("ddtree", 32))
-    accepted_per_step = [n - 1 for _, a in run.steps for n in a.num_accepted.tolist()]
-    nodes_per_step = [n - 1 for v, _ in run.steps for n in v.tree.num_nodes.tolist()]
+    accepted_per_step = [n - 1 for step in run.steps for n in step.acceptance.num_accepted.tolist()]
+    nodes_per_step = [n - 1 for step in run.steps for n in step.batch.tree.num_nodes.tolist()]
     metrics = run.metrics
     assert metrics["vllm:spec_decode_num_drafts"] == len(accepted_per_step)
     assert metrics["vllm:spec_decode_num_draft_tokens"] == sum(nodes_per_step)

@@ -66,11 +66,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         tree = getattr(attn_metadata, "tree", None)
         if tree is not None:
-            self._check_tree_support()
             self._tree_forward(layer, query, kv_cache, tree, output)
         return output
 
-    def _check_tree_support(self) -> None:
+    def check_tree_support(self) -> None:
+        """Raise unless this layer's options are ones the tree rows reproduce (called at model load)."""
         unsupported = {
             "non-decoder attention": self.attn_type != AttentionType.DECODER,
             "sliding-window attention": self.sliding_window != -1,

@@ -24,13 +24,13 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_ddtree.core import TreeAcceptance, accept_tree, compact_rows_, kv_compaction_plan
-from vllm_ddtree.vllm.attention import DDTreeCPUAttentionMetadata
+from vllm_ddtree.core import KVCompactionPlan, accept_tree, compact_rows_, kv_compaction_plan
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.support import check_request
-from vllm_ddtree.vllm.verify import ProposedTree, ScheduledTree, TreeVerifyBatch
+from vllm_ddtree.vllm.verify import ProposedTree, ScheduledTree, TreeVerifyBatch, VerifiedStep
 
 
 class DDTreeModelRunner(CPUModelRunner):
@@ -43,7 +43,23 @@ class DDTreeModelRunner(CPUModelRunner):
         self._proposed: dict[str, ProposedTree] = {}
         self._verify: TreeVerifyBatch | None = None
         self._node_slots: torch.Tensor | None = None
-        self._accepted: tuple[TreeVerifyBatch, TreeAcceptance] | None = None
+        self._verified: VerifiedStep | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self.uses_mrope:
+            raise NotImplementedError("method 'ddtree' does not support target models with M-RoPE")
+        for layer in self._target_attention_layers():
+            if not isinstance(layer.impl, DDTreeCPUAttentionImpl):
+                raise NotImplementedError("method 'ddtree' needs vLLM's CPU_ATTN attention backend for the target")
+            layer.impl.check_tree_support()
+
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise NotImplementedError(
+                "method 'ddtree' needs the target and draft in one KV cache group (no hybrid or sliding-window models)"
+            )
 
     # ---- 1. verify inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
@@ -51,7 +67,7 @@ class DDTreeModelRunner(CPUModelRunner):
             check_request(new_req.req_id, new_req.sampling_params)
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         proposed, self._proposed = self._proposed, {}
-        self._verify = self._node_slots = self._accepted = None
+        self._verify = self._node_slots = self._verified = None
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return result
@@ -79,9 +95,7 @@ class DDTreeModelRunner(CPUModelRunner):
         return result
 
     def _slot_mapping(self) -> torch.Tensor:
-        """This step's per-row KV slots (vLLM computes them in `_prepare_inputs`, one KV cache group)."""
-        if len(self.input_batch.block_table.block_tables) != 1:
-            raise NotImplementedError("method 'ddtree' supports target models with a single KV cache group")
+        """This step's per-row KV slots (computed by vLLM's `_prepare_inputs`; one KV cache group)."""
         return self.input_batch.block_table[0].slot_mapping.cpu
 
     # ---- 2. tree masks for the target's attention ------------------------------------------------
@@ -91,8 +105,7 @@ class DDTreeModelRunner(CPUModelRunner):
             block_table = self.input_batch.block_table[0]
             tree = self._verify.attention(block_table.get_cpu_tensor(), block_table.block_size)
             for metadata in attn_metadata.values():
-                if not isinstance(metadata, DDTreeCPUAttentionMetadata):
-                    raise NotImplementedError("method 'ddtree' needs the CPU_ATTN attention backend for the target")
+                assert isinstance(metadata, DDTreeCPUAttentionMetadata)
                 metadata.tree = tree
         return attn_metadata, spec_metadata
 
@@ -102,9 +115,7 @@ class DDTreeModelRunner(CPUModelRunner):
         if verify is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         assert logits is not None
-        if not self.input_batch.sampling_metadata.all_greedy:
-            raise NotImplementedError("method 'ddtree' is greedy-only in this release (temperature 0)")
-        target = logits.argmax(dim=-1)
+        target = logits.argmax(dim=-1)  # greedy: every request is (see support.check_request)
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
         first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
@@ -116,14 +127,14 @@ class DDTreeModelRunner(CPUModelRunner):
         output[:, 0] = target[spec_decode_metadata.bonus_logits_indices]
         output[verify.req_indices] = -1
         output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
-        self._compact_target_kv(acceptance)
-        self._accepted = (verify, acceptance)
+        plan = kv_compaction_plan(acceptance)
+        self._compact_target_kv(plan)
+        self._verified = VerifiedStep(verify, acceptance, plan)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
 
-    def _compact_target_kv(self, acceptance: TreeAcceptance) -> None:
+    def _compact_target_kv(self, plan: KVCompactionPlan) -> None:
         """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers
         are rewritten from the context on the next draft pass)."""
-        plan = kv_compaction_plan(acceptance)
         if not bool(plan.is_move.any()):
             return
         assert self._node_slots is not None
@@ -156,10 +167,10 @@ class DDTreeModelRunner(CPUModelRunner):
         common_attn_metadata: Any,
         slot_mappings: Any,
     ) -> list[list[int]]:
-        accepted, self._accepted = self._accepted, None
-        if accepted is not None:
+        verified, self._verified = self._verified, None
+        if verified is not None:
             assert aux_hidden_states is not None
-            aux_hidden_states = self._path_first(*accepted, aux_hidden_states)
+            aux_hidden_states = self._path_first(verified.batch, verified.plan, aux_hidden_states)
         drafts = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
@@ -177,17 +188,18 @@ class DDTreeModelRunner(CPUModelRunner):
         return drafts
 
     def _path_first(
-        self, verify: TreeVerifyBatch, acceptance: TreeAcceptance, aux_hidden_states: list[torch.Tensor]
+        self, verify: TreeVerifyBatch, plan: KVCompactionPlan, aux_hidden_states: list[torch.Tensor]
     ) -> list[torch.Tensor]:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
         positions: row first_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        src, dst = kv_compaction_plan(acceptance).rows(verify.first_rows)
+        src, dst = plan.rows(verify.first_rows)
+        moves = plan.is_move.flatten()
         rows, positions = verify.linear_positions()
         self.positions[rows] = positions
         reordered = []
         for states in aux_hidden_states:
             states = states.clone()
-            compact_rows_(states, src, dst)
+            compact_rows_(states, src[moves], dst[moves])
             reordered.append(states)
         return reordered

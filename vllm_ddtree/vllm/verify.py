@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.core import DraftTree, tree_attention_mask
+from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_attention_mask
 from vllm_ddtree.vllm.attention import TreeAttention
 
 
@@ -135,3 +135,13 @@ class TreeVerifyBatch:
         mask = torch.where(self.tree.valid.unsqueeze(2), mask, mask[:, :1])
         bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
         return TreeAttention(query_rows=self.node_rows(), kv_slots=kv_slots, bias=bias, valid=self.tree.valid)
+
+
+@dataclass(frozen=True)
+class VerifiedStep:
+    """A verify step's outcome, kept until the draft pass that follows it: the trees, the target's
+    acceptance of them and the compaction plan (k-th accepted node -> window row k)."""
+
+    batch: TreeVerifyBatch
+    acceptance: TreeAcceptance
+    plan: KVCompactionPlan
