@@ -19,7 +19,7 @@ with 65 nodes x 4 heads the work is compute-bound and runs on tensor cores. Rows
 powers of two (65 x 4 = 260), so the last program of a (r, h) also carries a small TAIL_M-row group
 (260 = 2 x 128 + 4 -> tail of 16) that reuses the K/V tiles it already loaded: 272 padded rows
 instead of 384, and no extra pass over the cache. The programs of one (r, h) are adjacent in launch
-order, so their shared K/V stream comes from L2 after the first read.
+order, so their shared K/V stream should come from L2 after the first read.
 
 Split-K. When R * num_kv_heads * tiles cannot fill the GPU (batch 1), the prefix is cut into
 num_splits chunks handled by different programs; each writes a normalised partial output and its
@@ -44,7 +44,7 @@ import triton.language as tl
 
 from vllm_ddtree.kernels.tree_mask import mask_words
 
-MASKED = tl.constexpr(float("-inf"))
+NEG_INF = tl.constexpr(float("-inf"))
 ROW_INIT_MAX = tl.constexpr(-1.0e30)
 """Finite start for the running max: a row whose keys are all masked so far keeps exp2(-inf - m) = 0
 and alpha = 1 instead of NaN."""
@@ -54,17 +54,17 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _load_kv_tile(
     cache_ptr, block_table_row_ptr, positions, valid, head, stride_b, stride_s, stride_h,
-    KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, MASKED: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BOUNDS_CHECK: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_KV, HEAD_PAD] cache rows of one kv head at token `positions` (through the block table).
-    With MASKED, positions where `valid` is False read as 0; without it every position must be valid."""
+    With BOUNDS_CHECK, positions where `valid` is False read as 0; without it all must be valid."""
     offs_d = tl.arange(0, HEAD_PAD)
-    if MASKED:
+    if BOUNDS_CHECK:
         block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     else:
         block = tl.load(block_table_row_ptr + positions // KV_BLOCK_SIZE).to(tl.int64)
     ptrs = cache_ptr + (block * stride_b + (positions % KV_BLOCK_SIZE) * stride_s + head * stride_h)[:, None] + offs_d[None, :]
-    if MASKED:
+    if BOUNDS_CHECK:
         tile = tl.load(ptrs, mask=valid[:, None] & (offs_d < HEAD_SIZE)[None, :], other=0.0)
     elif HEAD_PAD != HEAD_SIZE:
         tile = tl.load(ptrs, mask=(offs_d < HEAD_SIZE)[None, :], other=0.0)
@@ -80,7 +80,7 @@ def _online_softmax_step(q, k, v, allowed, m_i, l_i, acc, scale_log2e, APPLY_MAS
     With APPLY_MASK, scores where `allowed` is False are dropped (full prefix tiles skip that)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e
     if APPLY_MASK:
-        s = tl.where(allowed, s, MASKED)
+        s = tl.where(allowed, s, NEG_INF)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -138,7 +138,7 @@ def _store_rows(
     else:
         part = ((request * NUM_NODES + nodes) * NUM_Q_HEADS + q_heads) * num_splits + split
         tl.store(o_part_ptr + part[:, None].to(tl.int64) * HEAD_SIZE + offs_d[None, :], o, mask=store_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), MASKED)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), NEG_INF)
         tl.store(lse_part_ptr + part, lse, mask=row_valid)
 
 
@@ -348,7 +348,7 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_PAD)
     s_valid = offs_s < num_splits
     d_valid = offs_d < HEAD_SIZE
-    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=s_valid, other=MASKED)
+    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=s_valid, other=NEG_INF)
     weight = tl.exp2(lse - tl.max(lse, 0))
     part = (row * num_splits + offs_s).to(tl.int64)
     o = tl.load(o_part_ptr + part[:, None] * HEAD_SIZE + offs_d[None, :], mask=s_valid[:, None] & d_valid[None, :], other=0.0)
