@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-core demo bench clean
+.PHONY: install test test-core demo gpu-check gpu-check-smoke clean
 
 install: $(STAMP)
 
@@ -25,6 +25,14 @@ test-core: install
 
 demo: install
 	$(PY) -m vllm_ddtree.demo
+
+# On a GPU machine with its own python3, torch and triton (no vLLM, no venv): <= 8 min on one H200.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
+
+# The same script end to end on CPU (Triton interpreter, tiny fp32 shapes).
+gpu-check-smoke: install
+	$(PY) benchmarks/gpu_check.py --smoke
 
 clean:
 	rm -rf $(VENV) build *.egg-info
