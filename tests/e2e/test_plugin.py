@@ -124,3 +124,22 @@ def test_unsupported_sampling_fails_clearly(pair_dirs):
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4}
     with pytest.raises(Exception, match="method 'ddtree' does not support temperature > 0"):
         run_engine(target, spec, prompts((5,)), SamplingParams(temperature=0.8, max_tokens=4))
+
+
+@pytest.mark.parametrize("style", ["speculative_config", "spec_flags"])
+def test_ddtree_request_becomes_dflash_config_with_forced_settings(pair_dirs, style):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree.vllm.config import WORKER_CLS
+
+    target, draft = pair_dirs["random"]
+    if style == "speculative_config":
+        spec = {"speculative_config": {"method": "ddtree", "model": draft, "num_speculative_tokens": 5, "ddtree_topk": 3}}
+    else:
+        spec = {"spec_method": "ddtree", "spec_model": draft, "spec_tokens": 5}
+    config = EngineArgs(model=target, skip_tokenizer_init=True, kv_cache_memory_bytes=2**26, **spec).create_engine_config()
+    assert config.speculative_config.method == "dflash"
+    assert config.speculative_config.num_speculative_tokens == 5
+    assert config.additional_config["ddtree"] == {"budget": 5, "topk": 3 if style == "speculative_config" else None}
+    assert config.parallel_config.worker_cls == WORKER_CLS
+    assert config.scheduler_config.async_scheduling is False

@@ -70,8 +70,27 @@ class DDTreeConfig:
         return cls(**extra[ADDITIONAL_CONFIG_KEY])
 
 
-def is_ddtree_request(speculative_config: Any) -> bool:
-    return isinstance(speculative_config, dict) and speculative_config.get("method") == METHOD
+_SPEC_FLAGS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))
+
+
+def is_ddtree_request(args: Any) -> bool:
+    """Whether an EngineArgs asks for method 'ddtree' (in speculative_config or via --spec-method)."""
+    spec = args.speculative_config
+    return getattr(args, "spec_method", None) == METHOD or (isinstance(spec, dict) and spec.get("method") == METHOD)
+
+
+def _user_speculative_config(args: Any) -> dict[str, Any]:
+    """speculative_config merged with --spec-method/--spec-model/--spec-tokens, as vLLM merges them."""
+    spec = dict(args.speculative_config or {})
+    for flag, key in _SPEC_FLAGS:
+        value = getattr(args, flag, None)
+        if value is None:
+            continue
+        if key in spec:
+            raise ValueError(f"--{flag.replace('_', '-')} and --speculative-config['{key}'] are mutually exclusive")
+        spec[key] = value
+        setattr(args, flag, None)
+    return spec
 
 
 def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, Any]]:
@@ -98,7 +117,7 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     """
     from vllm.platforms import current_platform
 
-    ddtree, dflash = _split_user_config(args.speculative_config)
+    ddtree, dflash = _split_user_config(_user_speculative_config(args))
     if not current_platform.is_cpu():
         raise ValueError("method 'ddtree' runs on vLLM's CPU backend only in this release; use method 'dflash' on GPUs")
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):

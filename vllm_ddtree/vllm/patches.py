@@ -17,7 +17,7 @@ from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
 def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not is_ddtree_request(self.speculative_config):
+        if not is_ddtree_request(self):
             return original(self, *args, **kwargs)
         ddtree = rewrite_engine_args(self)
         config = original(self, *args, **kwargs)
