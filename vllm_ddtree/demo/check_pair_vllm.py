@@ -62,7 +62,8 @@ def _torch_chain(target_dir: str, draft_dir: str, prompt_ids: list[list[int]], m
     r = Recipe(hidden=dcfg["hidden_size"], heads=dcfg["num_attention_heads"], kv_heads=dcfg["num_key_value_heads"],
                head_dim=dcfg["head_dim"], intermediate=dcfg["intermediate_size"],
                rope_theta=dcfg["rope_parameters"]["rope_theta"], draft_layers=dcfg["num_hidden_layers"],
-               block_size=dcfg["block_size"], target_layer_ids=dcfg["dflash_config"]["target_layer_ids"])
+               block_size=dcfg["block_size"], target_layer_ids=dcfg["dflash_config"]["target_layer_ids"],
+               tie_k_norm=False)  # load every layer's own k_norm (GPU semantics)
     mask_id = dcfg["dflash_config"]["mask_token_id"]
     draft = DFlashDraft(r).eval()
     draft.load_state_dict(load_file(os.path.join(draft_dir, "model.safetensors")))

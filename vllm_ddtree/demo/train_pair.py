@@ -61,7 +61,7 @@ class Recipe:
     intermediate: int = 768
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    target_steps: int = 2400
+    target_steps: int = 2200
     target_batch: int = 8
     target_seq: int = 512
     target_lr: float = 3e-3
@@ -77,12 +77,16 @@ class Recipe:
     draft_layers: int = 2
     block_size: int = 8
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 2])
-    draft_steps: int = 4400
+    draft_steps: int = 4000
     draft_batch: int = 16
     draft_anchors: int = 32
     draft_lr: float = 2e-3
     draft_wd: float = 0.01
     loss_gamma: float = 4.0  # DFlash/SpecForge: 4 for block 8
+    # One k_norm shared by all draft layers. vLLM 0.32's CPU ``ops.rms_norm`` ignores the per-layer
+    # weights of the grouped context-K norm in ``precompute_and_store_context_kv`` and applies layer
+    # 0's k_norm to every layer's context K; with tied weights CPU and GPU compute the same draft.
+    tie_k_norm: bool = True
     # shared optimiser schedule
     warmup_frac: float = 0.03
     final_lr_frac: float = 0.05
@@ -103,6 +107,14 @@ class Recipe:
         r.gen_batch = min(self.gen_batch, r.gen_sequences // 2)
         r.eval_prompts = max(4, int(self.eval_prompts * scale))
         return r
+
+
+# Recipe fields that determine phases 1-2 (corpus, tokenizer, target); ``--resume`` checks only these.
+TARGET_PHASE_FIELDS = (
+    "seed", "heldout_frac", "bpe_vocab", "hidden", "target_layers", "heads", "kv_heads", "head_dim",
+    "intermediate", "rope_theta", "max_position_embeddings", "target_steps", "target_batch", "target_seq",
+    "target_lr", "target_wd", "warmup_frac", "final_lr_frac", "grad_clip",
+)
 
 
 def log(msg: str) -> None:
@@ -449,6 +461,9 @@ class DFlashDraft(nn.Module):
             DraftLayer(d, r.heads, r.kv_heads, r.head_dim, r.intermediate) for _ in range(r.draft_layers)
         )
         self.norm = _Norm(d)
+        if r.tie_k_norm:
+            for layer in self.layers[1:]:
+                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
@@ -706,7 +721,7 @@ def save_draft(draft: DFlashDraft, r: Recipe, vocab: int, mask_id: int, out_dir:
     from transformers import Qwen3Config
 
     os.makedirs(out_dir, exist_ok=True)
-    sd = {k: v.detach().float().contiguous() for k, v in draft.state_dict().items()}
+    sd = {k: v.detach().float().contiguous().clone() for k, v in draft.state_dict().items()}  # untie
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     cfg = Qwen3Config(
         vocab_size=vocab, hidden_size=r.hidden, intermediate_size=r.intermediate,
@@ -817,7 +832,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume and os.path.exists(phase_file):
         with open(phase_file) as f:
             saved = json.load(f)
-        if saved["recipe"] == asdict(r):
+        if all(saved["recipe"][k] == v for k, v in asdict(r).items() if k in TARGET_PHASE_FIELDS):
             model = Qwen3ForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
             for key in ("target_params", "target_train", "target_heldout"):
                 record[key] = saved[key]
