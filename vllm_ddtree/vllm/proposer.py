@@ -33,17 +33,18 @@ class DDTreeProposer(DFlashProposer):
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
 
-    def propose(self, num_speculative_tokens: int, *args: Any, **kwargs: Any) -> list[list[int]]:
+    def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
 
-        num_speculative_tokens is the step's tree budget; `last_trees` keeps the trees built.
+        num_speculative_tokens is the step's tree budget; next_token_ids [R] are the roots (each
+        request's last committed token); the other arguments are DFlashProposer.propose's.
+        `last_trees` keeps the trees built.
         """
         budget = num_speculative_tokens
         depth = min(budget, self.max_depth)
-        next_token_ids = kwargs["next_token_ids"]
         self._top = None
         self.last_trees = None
-        super().propose(depth, *args, **kwargs)
+        super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         if budget == 0:
             return [[] for _ in range(next_token_ids.shape[0])]
         assert self._top is not None
