@@ -1,13 +1,14 @@
 """The user contract `speculative_config={"method": "ddtree", ...}` and what it becomes inside vLLM.
 
 Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
-`vllm serve --speculative-config`):
+`vllm serve --speculative-config`; `--spec-method/--spec-model/--spec-tokens` work too):
 
 - `method`: "ddtree".
 - `model`: a DFlash draft checkpoint (config `architectures: ["DFlashDraftModel"]`); vLLM's own
   DFlash model code loads and runs it.
 - `num_speculative_tokens`: the tree budget B, the number of draft nodes (root excluded) the target
-  verifies per step in one forward pass. The tree is at most `block_size - 1` deep.
+  verifies per step in one forward pass. The tree is at most min(B, block_size - 1) deep, and the
+  draft runs that many mask positions.
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
@@ -17,7 +18,8 @@ Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens 
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
 `worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
-`log_rewrite` logs what it forced.
+`log_rewrite` logs what it forced. Refused with a message: non-CPU platforms, the V2 model runner,
+async scheduling, another worker_cls, a quantized KV cache, tensor/pipeline/data parallelism > 1.
 """
 
 from __future__ import annotations
