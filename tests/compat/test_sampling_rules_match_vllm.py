@@ -5,7 +5,7 @@ import torch
 
 vllm_sampler = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
 
-from vllm_ddtree.core import TreeSamplingParams, process_logits  # noqa: E402
+from vllm_ddtree.core import TreeSamplingParams, process_logits
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -77,7 +77,7 @@ def tree_rule_step(prefix, p, q, budget, topk):
 
 def biased_rule_step(prefix, p, q, budget, topk):
     """The WRONG rule: Leviathan's min(1, p/q) on top-k children with residual max(0, r - q)."""
-    tree, children = tree_children(prefix, q, budget, topk)
+    _, children = tree_children(prefix, q, budget, topk)
     out: dict[tuple[int, ...], float] = {}
 
     def walk(node, emitted, prob):
