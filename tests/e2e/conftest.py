@@ -43,8 +43,8 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[dict[str, list[int]]]
 
 @dataclass
 class Run:
-    """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters of
-    `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedStep`)."""
+    """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters (and
+    preemptions) of `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedStep`)."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
@@ -60,7 +60,7 @@ class Run:
 def _spec_metrics(llm) -> dict[str, Any]:
     out = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:spec_decode"):
+        if metric.name.startswith("vllm:spec_decode") or metric.name == "vllm:num_preemptions":
             out[metric.name] = getattr(metric, "values", None) or getattr(metric, "value", None)
     return out
 

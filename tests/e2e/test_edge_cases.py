@@ -1,7 +1,8 @@
-"""Edge cases of method 'ddtree': requests at max_model_len, max_tokens=1, EOS inside an accepted path.
+"""Edge cases of method 'ddtree': requests at max_model_len, max_tokens=1, EOS inside an accepted path,
+preemption.
 
-One engine per method (plain, ddtree budget 32) serves all three groups of requests in one batch, on
-the focused pair (drafts accepted deep) with max_model_len 128.
+One engine per method (plain, ddtree budget 32) serves the first three groups of requests in one
+batch, on the focused pair (drafts accepted deep) with max_model_len 128.
 """
 
 from __future__ import annotations
@@ -72,3 +73,17 @@ def test_eos_inside_accepted_path_ends_the_output(edge_runs):
         if EOS_TOKEN_ID in row[:n]
     ]
     assert any(eos_then_more), "no verify step accepted tokens past an EOS"
+
+
+def test_preempted_requests_equal_plain_decoding(pair_dirs):
+    """A KV cache too small for the batch: vLLM preempts and recomputes requests mid-generation."""
+    from vllm import SamplingParams
+
+    target, draft = pair_dirs["focused"]
+    requests = prompts(lengths=(3, 7, 12, 20, 31, 5, 9), seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True)
+    small = dict(kv_cache_memory_bytes=3_000_000, max_model_len=256)
+    plain = run_engine(target, None, requests, params, **small)
+    ddtree = run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 7}, requests, params, **small)
+    assert ddtree.metrics["vllm:num_preemptions"] > 0
+    assert ddtree.token_ids == plain.token_ids
