@@ -19,8 +19,9 @@ torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 import importlib.util
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -69,19 +70,19 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
     """Build an in-process engine, generate, record, shut it down."""
     from vllm import LLM
 
-    kwargs = dict(
-        model=target,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        distributed_executor_backend="uni",
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_batched_tokens=CHUNK,
-        max_num_seqs=16,
-        disable_log_stats=False,
-        seed=0,
-    )
+    kwargs = {
+        "model": target,
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "distributed_executor_backend": "uni",
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_batched_tokens": CHUNK,
+        "max_num_seqs": 16,
+        "disable_log_stats": False,
+        "seed": 0,
+    }
     kwargs.update(llm_kwargs)
     llm = LLM(speculative_config=spec, **kwargs)
     steps: list[Any] = []

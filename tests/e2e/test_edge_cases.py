@@ -82,7 +82,7 @@ def test_preempted_requests_equal_plain_decoding(pair_dirs):
     target, draft = pair_dirs["focused"]
     requests = prompts(lengths=(3, 7, 12, 20, 31, 5, 9), seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True)
-    small = dict(kv_cache_memory_bytes=3_000_000, max_model_len=256)
+    small = {"kv_cache_memory_bytes": 3_000_000, "max_model_len": 256}
     plain = run_engine(target, None, requests, params, **small)
     ddtree = run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 7}, requests, params, **small)
     assert ddtree.metrics["vllm:num_preemptions"] > 0

@@ -84,8 +84,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError(f"method 'ddtree' does not support target models with {', '.join(found)}")
 
     def _tree_forward(self, layer, query, kv_cache, tree: TreeAttention, output) -> None:
-        num_req, num_nodes = tree.query_rows.shape
-        window = tree.kv_slots.shape[1]
+        num_req, window = tree.kv_slots.shape
         layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
         keys, values = read_rows(kv_cache, tree.kv_index(layout, self.num_kv_heads))
         keys = keys.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2)

@@ -63,7 +63,7 @@ def _probe(isa: str, block_size: int, head_size: int, dtype: torch.dtype, probe_
     return offsets.view(block_size, head_size)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> RegionLayout:
     return RegionLayout(
         key_offsets=_probe(isa, block_size, head_size, dtype, probe_keys=True),

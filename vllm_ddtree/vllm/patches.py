@@ -8,7 +8,8 @@ DDTree settings, and subclasses of vLLM's runner, proposer and attention classes
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_ddtree.vllm.config import is_ddtree_request, log_rewrite, rewrite_engine_args
 from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched

@@ -9,8 +9,9 @@ be right for the source it was written against. All patches are declared in `vll
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from vllm_ddtree import SUPPORTED_VLLM
 

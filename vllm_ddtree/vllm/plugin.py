@@ -16,7 +16,10 @@ def register() -> None:
     check_vllm_version()
 
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
 
     from vllm_ddtree.vllm.patches import apply_all
 

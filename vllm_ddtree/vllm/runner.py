@@ -24,13 +24,26 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_ddtree.core import KVCompactionPlan, accept_tree, compact_rows_, kv_compaction_plan
-from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata
+from vllm_ddtree.core import (
+    KVCompactionPlan,
+    accept_tree,
+    compact_rows_,
+    kv_compaction_plan,
+)
+from vllm_ddtree.vllm.attention import (
+    DDTreeCPUAttentionImpl,
+    DDTreeCPUAttentionMetadata,
+)
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.support import check_request
-from vllm_ddtree.vllm.verify import ProposedTree, ScheduledTree, TreeVerifyBatch, VerifiedStep
+from vllm_ddtree.vllm.verify import (
+    ProposedTree,
+    ScheduledTree,
+    TreeVerifyBatch,
+    VerifiedStep,
+)
 
 
 class DDTreeModelRunner(CPUModelRunner):

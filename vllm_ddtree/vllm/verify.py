@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_attention_mask
+from vllm_ddtree.core import (
+    DraftTree,
+    KVCompactionPlan,
+    TreeAcceptance,
+    tree_attention_mask,
+)
 from vllm_ddtree.vllm.attention import TreeAttention
 
 
