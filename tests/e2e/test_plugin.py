@@ -79,14 +79,16 @@ def test_patch_utility_refuses_double_patching():
         apply_patch(patch)
 
 
-def test_engine_args_patch_is_declared_and_applied():
+def test_all_patches_are_declared_and_applied():
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.input_processor import InputProcessor
 
     from vllm_ddtree.vllm.patches import all_patches
     from vllm_ddtree.vllm.patching import is_patched
 
-    assert [(p.owner, p.name) for p in all_patches()] == [(EngineArgs, "create_engine_config")]
-    assert is_patched(EngineArgs, "create_engine_config")
+    declared = [(p.owner, p.name) for p in all_patches()]
+    assert declared == [(EngineArgs, "create_engine_config"), (InputProcessor, "_validate_params")]
+    assert all(is_patched(owner, name) for owner, name in declared)
 
 
 @pytest.mark.parametrize(
@@ -115,16 +117,30 @@ def test_async_scheduling_request_fails_clearly(pair_dirs):
         LLM(model=target, skip_tokenizer_init=True, speculative_config=spec, async_scheduling=True)
 
 
-def test_unsupported_sampling_fails_clearly(pair_dirs):
-    from vllm import SamplingParams
+def test_unsupported_request_is_refused_at_admission_and_engine_keeps_serving(pair_dirs):
+    from vllm import LLM, SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
-    from tests.e2e.conftest import prompts, run_engine
+    from tests.e2e.conftest import KV_CACHE_BYTES, prompts
 
-    target, draft = pair_dirs["random"]
+    target, draft = pair_dirs["focused"]
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4}
-    with pytest.raises(Exception, match="method 'ddtree' does not support temperature > 0"):
-        run_engine(target, spec, prompts((5,)), SamplingParams(temperature=0.8, max_tokens=4))
-
+    llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
+              distributed_executor_backend="uni", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=256,
+              speculative_config=spec)
+    try:
+        for params, option in [
+            (SamplingParams(temperature=0.8, max_tokens=4), "temperature > 0"),
+            (SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), "logprobs"),
+            (SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2), "repetition_penalty"),
+        ]:
+            with pytest.raises(VLLMValidationError, match=f"method 'ddtree' does not support {option}"):
+                llm.generate(prompts((5,)), params, use_tqdm=False)
+        ok = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        out = llm.generate(prompts((5,)), ok, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 @pytest.mark.parametrize("style", ["speculative_config", "spec_flags"])
 def test_ddtree_request_becomes_dflash_config_with_forced_settings(pair_dirs, style):

@@ -11,8 +11,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from vllm_ddtree.vllm.config import is_ddtree_request, log_rewrite, rewrite_engine_args
+from vllm_ddtree.vllm.config import (
+    DDTreeConfig,
+    is_ddtree_request,
+    log_rewrite,
+    rewrite_engine_args,
+)
 from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
+from vllm_ddtree.vllm.support import check_request
 
 
 def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,8 +34,22 @@ def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
     return create_engine_config
 
 
+def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm.sampling_params import SamplingParams
+
+    @functools.wraps(original)
+    def validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, params, *args, **kwargs)
+        if isinstance(params, SamplingParams) and DDTreeConfig.from_vllm_config(self.vllm_config) is not None:
+            check_request(params)
+        return result
+
+    return validate_params
+
+
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.input_processor import InputProcessor
 
     return [
         # Why: SpeculativeConfig validates `method` against a closed Literal (and forbids extra keys), so
@@ -44,6 +64,19 @@ def all_patches() -> list[Patch]:
             make=_create_engine_config,
             why="accept speculative method 'ddtree'",
             remove_when="vLLM can register out-of-tree speculative methods (RFC vllm#36219)",
+        ),
+        # Why: requests whose options the tree walk cannot honour (temperature for now, penalties,
+        # logprobs, grammars, ...) must be refused when admitted, as vLLM refuses invalid params: the
+        # caller gets a clear error (HTTP 400 when serving) and the engine keeps running. vLLM's one
+        # per-request validation hook (custom logits processors' validate_params) is disabled under
+        # speculative decoding, so the check wraps the admission validation; other engines pass through.
+        # Remove when: vLLM lets a speculative method validate requests (same registry as above).
+        Patch(
+            owner=InputProcessor,
+            name="_validate_params",
+            make=_validate_params,
+            why="refuse requests method 'ddtree' cannot serve at admission",
+            remove_when="vLLM lets speculative methods validate requests (RFC vllm#36219)",
         ),
     ]
 

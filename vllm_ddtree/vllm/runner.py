@@ -37,7 +37,6 @@ from vllm_ddtree.vllm.attention import (
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
-from vllm_ddtree.vllm.support import check_request
 from vllm_ddtree.vllm.verify import (
     ProposedTree,
     ScheduledTree,
@@ -76,8 +75,6 @@ class DDTreeModelRunner(CPUModelRunner):
 
     # ---- 1. verify inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
-        for new_req in scheduler_output.scheduled_new_reqs:
-            check_request(new_req.req_id, new_req.sampling_params)
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         proposed, self._proposed = self._proposed, {}
         self._verify = self._node_slots = self._verified = None
@@ -128,7 +125,7 @@ class DDTreeModelRunner(CPUModelRunner):
         if verify is None or spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         assert logits is not None
-        target = logits.argmax(dim=-1)  # greedy: every request is (see support.check_request)
+        target = logits.argmax(dim=-1)  # every request is greedy (support.DDTreeRequestCheck)
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
         first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)

@@ -1,10 +1,12 @@
-"""Per-request options method 'ddtree' supports; anything else fails with a message naming it.
+"""Per-request options method 'ddtree' supports, checked when vLLM admits a request.
 
 The tree walk compares the target's token at every node with the node's children. Options that change
 the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
 bias, bad words, grammars) would need each node's own history, which the flat batch does not give them;
-logprobs would need the accepted rows gathered. Until they are supported they are refused, never
-silently ignored.
+logprobs would need the accepted rows gathered; sampling with temperature is not in this release.
+Such requests are refused at admission (`check_request`, called from vLLM's request validation: the
+caller gets a clear error, HTTP 400 when serving, and the engine keeps running), never served with the
+options ignored.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def unsupported_options(params: Any) -> list[str]:
     return [name for name, present in checks.items() if present]
 
 
-def check_request(req_id: str, params: Any) -> None:
-    if params is None:
-        raise ValueError(f"method 'ddtree' serves generation requests only (request {req_id} has no sampling params)")
+def check_request(params: Any) -> None:
+    """Raise vLLM's request-validation error if a SamplingParams uses unsupported options."""
+    from vllm.exceptions import VLLMValidationError
+
     found = unsupported_options(params)
     if found:
-        raise NotImplementedError(
-            f"request {req_id}: method 'ddtree' does not support {', '.join(found)}; "
+        raise VLLMValidationError(
+            f"method 'ddtree' does not support {', '.join(found)}; "
             "use method 'dflash' or plain decoding for such requests"
         )
