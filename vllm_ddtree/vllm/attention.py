@@ -11,6 +11,7 @@ itself. Everything else, including prefills, plain decodes and the DFlash draft'
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,13 +57,26 @@ class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
 
 
 class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
-    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> DDTreeCPUAttentionMetadata:
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
+    ) -> DDTreeCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
         return DDTreeCPUAttentionMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None, output_block_scale=None):
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: CPUAttentionMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         tree = getattr(attn_metadata, "tree", None)
         if tree is not None:
@@ -83,7 +97,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if found:
             raise NotImplementedError(f"method 'ddtree' does not support target models with {', '.join(found)}")
 
-    def _tree_forward(self, layer, query, kv_cache, tree: TreeAttention, output) -> None:
+    def _tree_forward(
+        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttention, output: torch.Tensor
+    ) -> None:
         num_req, window = tree.kv_slots.shape
         layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
         keys, values = read_rows(kv_cache, tree.kv_index(layout, self.num_kv_heads))
