@@ -1,0 +1,150 @@
+"""Run one target under several speculative configurations, in one process, on the same prompts.
+
+Each variant gets a fresh in-process vLLM engine, a warm-up generation, then one timed generation.
+Tokens per step comes from vLLM's own spec-decode counters over the timed generation only:
+1 + accepted draft tokens / drafts (a "draft" is one request's proposal in one step); 1 without
+speculation.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "distributed_executor_backend": "uni",
+    "disable_log_stats": False,
+    "seed": 0,
+}
+
+
+def configure_cpu_environment() -> None:
+    """Settings an in-process CPU engine needs (must run before vLLM is imported).
+
+    One OpenMP thread unless OMP_NUM_THREADS says otherwise: an in-process engine keeps vLLM's OpenMP
+    kernels at one thread per core, and on 2 cores their spin-waits cost more than the second core wins.
+    """
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    speculative_config: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+
+    def __sub__(self, other: SpecCounters) -> SpecCounters:
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        mine = self.accepted_per_position + (0,) * (width - len(self.accepted_per_position))
+        theirs = other.accepted_per_position + (0,) * (width - len(other.accepted_per_position))
+        return SpecCounters(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted - other.accepted,
+            tuple(a - b for a, b in zip(mine, theirs)),
+        )
+
+
+@dataclass(frozen=True)
+class RunStats:
+    name: str
+    token_ids: list[list[int]]
+    texts: list[str]
+    seconds: float
+    counters: SpecCounters
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def tokens_per_step(self) -> float:
+        c = self.counters
+        return 1.0 + c.accepted / c.drafts if c.drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """P(draft position k accepted) per verify step, k = 1, 2, ..."""
+        c = self.counters
+        return [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
+
+
+def read_spec_counters(llm: Any) -> SpecCounters:
+    values: dict[str, Any] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode_"):
+            values[metric.name] = metric.values if hasattr(metric, "values") else metric.value
+    per_position = values.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
+    return SpecCounters(
+        drafts=int(values.get("vllm:spec_decode_num_drafts", 0) or 0),
+        draft_tokens=int(values.get("vllm:spec_decode_num_draft_tokens", 0) or 0),
+        accepted=int(values.get("vllm:spec_decode_num_accepted_tokens", 0) or 0),
+        accepted_per_position=tuple(int(v) for v in per_position),
+    )
+
+
+def shutdown(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def run_variant(
+    target: str,
+    variant: Variant,
+    prompts: list[Any],
+    sampling_params: Any,
+    engine_kwargs: dict[str, Any] | None = None,
+    warmup_prompts: list[Any] | None = None,
+) -> RunStats:
+    """One fresh engine: warm-up generation, then the timed generation of `prompts`."""
+    from vllm import LLM
+
+    llm = LLM(model=target, speculative_config=variant.speculative_config, **{**ENGINE_DEFAULTS, **(engine_kwargs or {})})
+    try:
+        llm.generate(warmup_prompts or prompts[:1], sampling_params, use_tqdm=False)
+        before = read_spec_counters(llm)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        counters = read_spec_counters(llm) - before
+    finally:
+        shutdown(llm)
+    return RunStats(
+        name=variant.name,
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        texts=[o.outputs[0].text for o in outputs],
+        seconds=seconds,
+        counters=counters,
+    )
+
+
+def format_table(runs: list[RunStats], baseline: RunStats) -> str:
+    lines = [f"{'variant':<22} {'tokens/step':>11} {'tokens/s':>9} {'speedup':>8}"]
+    for run in runs:
+        lines.append(
+            f"{run.name:<22} {run.tokens_per_step:>11.2f} {run.tokens_per_second:>9.1f}"
+            f" {run.tokens_per_second / baseline.tokens_per_second:>7.2f}x"
+        )
+    return "\n".join(lines)
