@@ -101,7 +101,8 @@ def build_draft_trees(
     Args:
         root_token_ids: [R] the last committed token of each request (the verify root).
         top_logprobs: [R, L, K] log q_i of the draft's top-K tokens at depth i+1, sorted descending
-            along K; entries are finite or -inf. L = block_size - 1 is the maximum depth.
+            along K; entries are finite or -inf. L, the number of draft depths given (at most
+            block_size - 1), is the maximum depth.
         top_token_ids: [R, L, K] the matching token ids (distinct within each [r, i] row).
         budget: number of non-root nodes; the verify pass sees budget + 1 tokens per request.
 
