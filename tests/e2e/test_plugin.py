@@ -130,7 +130,7 @@ def test_unsupported_request_is_refused_at_admission_and_engine_keeps_serving(pa
               speculative_config=spec)
     try:
         for params, option in [
-            (SamplingParams(temperature=0.8, max_tokens=4), "temperature > 0"),
+            (SamplingParams(temperature=0.8, max_tokens=4, min_tokens=2), "min_tokens"),
             (SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), "logprobs"),
             (SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2), "repetition_penalty"),
         ]:

@@ -65,7 +65,7 @@ def all_patches() -> list[Patch]:
             why="accept speculative method 'ddtree'",
             remove_when="vLLM can register out-of-tree speculative methods (RFC vllm#36219)",
         ),
-        # Why: requests whose options the tree walk cannot honour (temperature for now, penalties,
+        # Why: requests whose options the tree walk cannot honour (penalties,
         # logprobs, grammars, ...) must be refused when admitted, as vLLM refuses invalid params: the
         # caller gets a clear error (HTTP 400 when serving) and the engine keeps running. vLLM's one
         # per-request validation hook (custom logits processors' validate_params) is disabled under

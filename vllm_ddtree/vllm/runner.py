@@ -4,7 +4,8 @@ One engine step, for the requests whose drafts are trees (all others run exactly
 1. `_prepare_inputs`: vLLM lays out each request's 1 + n rows with linear KV slots; we set node i's
    RoPE position to start + depth(i) and remember the batch's trees (`TreeVerifyBatch`).
 2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks.
-3. `_sample`: the target's token at every node (greedy: argmax), the core's acceptance walk, output in
+3. `_sample`: the target's token at every node (`sampling.sample_nodes`: argmax for greedy requests,
+   the core's exact sampling rule otherwise), the core's acceptance walk, output in
    vLLM's "accepted drafts + bonus, padded -1" form (so EOS, stop tokens, max_tokens, detokenization
    and the spec-decode metrics need nothing new), then KV compaction of the accepted nodes in every
    target layer: the k-th node of the accepted path moves to row start + k.
@@ -15,6 +16,8 @@ One engine step, for the requests whose drafts are trees (all others run exactly
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -37,6 +40,7 @@ from vllm_ddtree.vllm.attention import (
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
+from vllm_ddtree.vllm.sampling import sample_nodes, tree_sampling_params
 from vllm_ddtree.vllm.verify import (
     ProposedTree,
     ScheduledTree,
@@ -121,26 +125,59 @@ class DDTreeModelRunner(CPUModelRunner):
 
     # ---- 3. tree walk + KV compaction ------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
+        """Rows without a tree (prefills, requests without drafts) keep vLLM's sampler, which also
+        draws (and discards) a token for every tree request; tree nodes are sampled by the core's rule."""
         verify, self._verify = self._verify, None
-        if verify is None or spec_decode_metadata is None:
-            return super()._sample(logits, spec_decode_metadata)
-        assert logits is not None
-        target = logits.argmax(dim=-1)  # every request is greedy (support.DDTreeRequestCheck)
+        with self._discarded_draws_undone():
+            if verify is None or spec_decode_metadata is None:
+                return super()._sample(logits, spec_decode_metadata)
+            assert logits is not None
+            plain = self.sampler(logits[spec_decode_metadata.bonus_logits_indices], self.input_batch.sampling_metadata)
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
         first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
-        acceptance = accept_tree(
-            verify.tree, target[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets], verify.ancestor_mask
-        )
+        params = tree_sampling_params(self.input_batch.sampling_metadata, verify.req_indices)
+        node_logits = logits[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets]
+        target = sample_nodes(node_logits, verify.tree.num_nodes, params)
+        acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
 
         output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
-        output[:, 0] = target[spec_decode_metadata.bonus_logits_indices]
+        output[:, 0] = plain.sampled_token_ids[:, 0]
         output[verify.req_indices] = -1
         output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
         plan = kv_compaction_plan(acceptance)
         self._compact_target_kv(plan)
         self._verified = VerifiedStep(verify, acceptance, plan)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+    def _discarded_generators(self) -> dict[int, torch.Generator]:
+        """Generators of this step's requests whose sampled token vLLM discards (partial prefills)."""
+        num_reqs = self.input_batch.num_reqs
+        generators = self.input_batch.generators
+        return {int(i): generators[int(i)] for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0] if int(i) in generators}
+
+    @contextmanager
+    def _discarded_draws_undone(self) -> Iterator[None]:
+        """Restore the generators of discarded rows after sampling, so a seeded request's tokens do not
+        depend on how its prompt was chunked. (vLLM rewinds them in `_bookkeeping_sync` with
+        `Generator.set_offset`, which CPU generators lack: the stock CPU runner crashes there.)"""
+        states = {i: g.get_state() for i, g in self._discarded_generators().items()}
+        try:
+            yield
+        finally:
+            for i, state in states.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's bookkeeping with the discarded rows' generators hidden from its offset rewind (already
+        undone by `_discarded_draws_undone`)."""
+        hidden = self._discarded_generators()
+        for i in hidden:
+            del self.input_batch.generators[i]
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            self.input_batch.generators.update(hidden)
 
     def _compact_target_kv(self, plan: KVCompactionPlan) -> None:
         """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers

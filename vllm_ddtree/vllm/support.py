@@ -3,7 +3,8 @@
 The tree walk compares the target's token at every node with the node's children. Options that change
 the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
 bias, bad words, grammars) would need each node's own history, which the flat batch does not give them;
-logprobs would need the accepted rows gathered; sampling with temperature is not in this release.
+logprobs would need the accepted rows gathered. Temperature, top_k, top_p, min_p and seeds are
+supported (the target's distribution at a node depends on the node's logits only).
 Such requests are refused at admission (`check_request`, called from vLLM's request validation: the
 caller gets a clear error, HTTP 400 when serving, and the engine keeps running), never served with the
 options ignored.
@@ -13,13 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-GREEDY_EPS = 1e-5
-
 
 def unsupported_options(params: Any) -> list[str]:
     """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support."""
     checks = {
-        "temperature > 0 (method 'ddtree' is greedy-only in this release)": params.temperature >= GREEDY_EPS,
         "logprobs": params.logprobs is not None,
         "prompt_logprobs": params.prompt_logprobs is not None,
         "presence_penalty": params.presence_penalty != 0.0,
