@@ -19,7 +19,9 @@ checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
 `worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
 `log_rewrite` logs what it forced. Refused with a message: non-CPU platforms, the V2 model runner,
-async scheduling, another worker_cls, a quantized KV cache, tensor/pipeline/data parallelism > 1.
+async scheduling, another worker_cls, a quantized KV cache, pipeline/data parallelism > 1. Tensor
+parallelism is supported (every rank samples from the same all-gathered logits and the sampled tokens
+are broadcast from rank 0, so all ranks accept the same path; see `runner.DDTreeModelRunner._sample`).
 """
 
 from __future__ import annotations
@@ -130,9 +132,9 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         raise ValueError(f"method 'ddtree' installs its own worker ({WORKER_CLS}); drop worker_cls={args.worker_cls!r}")
     if args.kv_cache_dtype not in ("auto", None):
         raise ValueError(f"method 'ddtree' needs an unquantized KV cache; drop kv_cache_dtype={args.kv_cache_dtype!r}")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
         if (getattr(args, name) or 1) > 1:
-            raise ValueError(f"method 'ddtree' runs on a single worker in this release; drop {name}={getattr(args, name)}")
+            raise ValueError(f"method 'ddtree' supports tensor parallelism only in this release; drop {name}={getattr(args, name)}")
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 from vllm.config import get_layers_from_vllm_config
+from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
@@ -126,11 +127,17 @@ class DDTreeModelRunner(CPUModelRunner):
     # ---- 3. tree walk + KV compaction ------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
         """Rows without a tree (prefills, requests without drafts) keep vLLM's sampler, which also
-        draws (and discards) a token for every tree request; tree nodes are sampled by the core's rule."""
+        draws (and discards) a token for every tree request; tree nodes are sampled by the core's rule.
+
+        Under tensor parallelism every rank holds the same (all-gathered) logits and builds the same
+        trees, and the sampled tokens are broadcast from TP rank 0, so every rank commits the same
+        tokens and reaches the same accepted path (each then compacts its own KV shard)."""
         verify, self._verify = self._verify, None
         with self._discarded_draws_undone():
             if verify is None or spec_decode_metadata is None:
-                return super()._sample(logits, spec_decode_metadata)
+                output = super()._sample(logits, spec_decode_metadata)
+                get_tp_group().broadcast(output.sampled_token_ids, src=0)
+                return output
             assert logits is not None
             plain = self.sampler(logits[spec_decode_metadata.bonus_logits_indices], self.input_batch.sampling_metadata)
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
@@ -139,10 +146,11 @@ class DDTreeModelRunner(CPUModelRunner):
         params = tree_sampling_params(self.input_batch.sampling_metadata, verify.req_indices)
         node_logits = logits[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets]
         target = sample_nodes(node_logits, verify.tree.num_nodes, params)
+        get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
 
         output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
-        output[:, 0] = plain.sampled_token_ids[:, 0]
+        output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
         output[verify.req_indices] = -1
         output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
         plan = kv_compaction_plan(acceptance)
