@@ -135,10 +135,12 @@ def build_draft_trees(
     layer_scores, layer_choices = [], []
     for depth in range(max_depth):
         key = scaled_score.index_select(1, parent_pos).add_(pair_keys[depth]).clamp_(min=floor_key)
-        best = torch.topk(key, budget, dim=1)
-        scaled_score = best.values - tie_breaker.take(best.indices)
+        best = torch.topk(key, budget, dim=1, sorted=False)  # then sort only the winners: cheaper
+        best_keys, order = torch.sort(best.values, dim=1, descending=True)
+        choice = best.indices.gather(1, order)
+        scaled_score = best_keys.sub_(tie_breaker.take(choice))
         layer_scores.append(scaled_score)
-        layer_choices.append(best.indices)
+        layer_choices.append(choice)
 
     # All layers depth-major; flat position of (depth d >= 1, layer position i) is 1 + (d-1)*budget + i.
     scores = torch.stack(layer_scores, 1).div_(num_pairs, rounding_mode="floor")  # [R, L, budget]
