@@ -1,0 +1,316 @@
+"""Side-by-side benchmark of DDTree against no speculation and a chain draft, over a configuration matrix.
+
+What is measured: for every (batch size, temperature) and every variant — no speculation, the chain
+baseline, DDTree at each budget — one timed `LLM.generate` of `batch` prompts together, `max_tokens`
+new tokens each (ignore_eos), repeated `--repeats` times; the table reports medians over repeats of
+
+* tokens per step: 1 + accepted draft tokens / drafts, from vLLM's own spec-decode counters read
+  before and after the timed generation (1 without speculation);
+* output tokens/s: generated tokens / wall-clock seconds of the timed generation;
+* speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature).
+
+How: one in-process CPU engine per variant (engines are the expensive part), warmed up once, then
+timed on every (temperature, batch, repeat) it serves. The chain baseline is vLLM's DFlash chain
+(`num_speculative_tokens = block_size - 1`) at T=0; at T>0 it is a chain-shaped DDTree (`ddtree_topk=1`),
+because stock dflash's CPU sampler is biased at T>0. At T>0 each prompt gets its own seeded
+SamplingParams. At T=0 every variant's outputs are compared with no speculation (DDTree is lossless);
+mismatches are recorded in the JSON and printed, not raised. n-gram is not run: once an n-gram engine
+has run, vLLM 0.32 cannot start another engine in the process.
+
+The pair is the demo's: the embedded trained pair (held-out code prompts) when vllm_ddtree/demo/pair/
+exists, else the synthetic focused pair built on the fly (token-id prompts).
+
+    python benchmarks/bench.py [--quick] [--batches 1 4 16] [--budgets 8 16 32 64 128] [--temperatures 0 1]
+                               [--max-tokens 64] [--repeats 3] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from vllm_ddtree.demo.side_by_side import ENGINE_DEFAULTS, configure_cpu_environment, read_spec_counters, shutdown
+
+MAX_MODEL_LEN = 1024
+
+
+@dataclass(frozen=True)
+class BenchVariant:
+    """One engine: `kind` is "none", "chain" or "ddtree"; `temperatures` are the ones it is timed at."""
+
+    name: str
+    kind: str
+    budget: int | None
+    speculative_config: dict[str, Any] | None
+    temperatures: tuple[float, ...]
+
+
+@dataclass
+class Measurement:
+    """Medians over repeats of one variant at one (batch, temperature)."""
+
+    variant: str
+    kind: str
+    budget: int | None
+    batch: int
+    temperature: float
+    repeats: int
+    tokens_per_step: float
+    tokens_per_second: float
+    seconds: list[float]
+    acceptance_per_position: list[float]
+    speedup_vs_none: float | None = None
+    speedup_vs_chain: float | None = None
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--quick", action="store_true", help="batches 1 4, budgets 8 32, T 0, repeats 1, max_tokens 32")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batches, args.budgets, args.temperatures, args.repeats, args.max_tokens = [1, 4], [8, 32], [0.0], 1, 32
+    return args
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+    import vllm
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+    }
+
+
+def select_pair(num_prompts: int, work_dir: str) -> tuple[str, str, list[Any], dict[str, Any], str]:
+    """(target, draft, prompts, engine kwargs, pair label), chosen as `make demo` does."""
+    from vllm_ddtree.demo.__main__ import synthetic_pair, trained_pair
+
+    pair = trained_pair(num_prompts)
+    if pair is not None:
+        return (*pair, "trained (vllm_ddtree/demo/pair)")
+    return (*synthetic_pair(num_prompts, work_dir), "synthetic focused (built on the fly)")
+
+
+def build_variants(draft: str, budgets: list[int], temperatures: list[float]) -> list[BenchVariant]:
+    with open(os.path.join(draft, "config.json")) as f:
+        chain_length = json.load(f)["block_size"] - 1
+    all_t = tuple(temperatures)
+    greedy = tuple(t for t in temperatures if t == 0)
+    sampled = tuple(t for t in temperatures if t > 0)
+    variants = [BenchVariant("no speculation", "none", None, None, all_t)]
+    if greedy:
+        config = {"method": "dflash", "model": draft, "num_speculative_tokens": chain_length}
+        variants.append(BenchVariant("dflash chain (vLLM)", "chain", None, config, greedy))
+    if sampled:
+        config = {"method": "ddtree", "model": draft, "num_speculative_tokens": chain_length, "ddtree_topk": 1}
+        variants.append(BenchVariant("ddtree chain (topk 1)", "chain", None, config, sampled))
+    for b in budgets:
+        config = {"method": "ddtree", "model": draft, "num_speculative_tokens": b}
+        variants.append(BenchVariant(f"ddtree budget {b}", "ddtree", b, config, all_t))
+    return variants
+
+
+def sampling_for(batch: int, temperature: float, max_tokens: int) -> Any:
+    """One greedy SamplingParams at T=0; at T>0 one seeded SamplingParams per prompt."""
+    from vllm import SamplingParams
+
+    if temperature == 0:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(batch)]
+
+
+def timed_generate(llm: Any, prompts: list[Any], sampling: Any) -> tuple[float, float, float, list[float], list[list[int]]]:
+    """(seconds, tokens/step, tokens/s, acceptance per position, token ids) of one timed generation."""
+    before = read_spec_counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    c = read_spec_counters(llm) - before
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    per_step = 1.0 + c.accepted / c.drafts if c.drafts else 1.0
+    acceptance = [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
+    return seconds, per_step, sum(map(len, token_ids)) / seconds, acceptance, token_ids
+
+
+def measure_variant(
+    target: str, variant: BenchVariant, prompts: list[Any], args: argparse.Namespace, engine_kwargs: dict[str, Any]
+) -> list[Measurement]:
+    """One engine for the variant: warm-up, then every (temperature, batch, repeat) it serves."""
+    from vllm import LLM
+
+    kwargs = {**ENGINE_DEFAULTS, "max_model_len": MAX_MODEL_LEN, **engine_kwargs}
+    llm = LLM(model=target, speculative_config=variant.speculative_config, **kwargs)
+    results = []
+    try:
+        llm.generate(prompts[:1], sampling_for(1, 0.0, args.max_tokens), use_tqdm=False)
+        for temperature in variant.temperatures:
+            for batch in args.batches:
+                runs = [timed_generate(llm, prompts[:batch], sampling_for(batch, temperature, args.max_tokens)) for _ in range(args.repeats)]
+                results.append(
+                    Measurement(
+                        variant=variant.name,
+                        kind=variant.kind,
+                        budget=variant.budget,
+                        batch=batch,
+                        temperature=temperature,
+                        repeats=args.repeats,
+                        tokens_per_step=statistics.median(r[1] for r in runs),
+                        tokens_per_second=statistics.median(r[2] for r in runs),
+                        seconds=[r[0] for r in runs],
+                        acceptance_per_position=runs[0][3],
+                        token_ids=runs[0][4],
+                    )
+                )
+    finally:
+        shutdown(llm)
+    return results
+
+
+def add_speedups(results: list[Measurement]) -> None:
+    for m in results:
+        cell = [r for r in results if (r.batch, r.temperature) == (m.batch, m.temperature)]
+        none = next((r for r in cell if r.kind == "none"), None)
+        chain = next((r for r in cell if r.kind == "chain"), None)
+        m.speedup_vs_none = m.tokens_per_second / none.tokens_per_second if none else None
+        m.speedup_vs_chain = m.tokens_per_second / chain.tokens_per_second if chain else None
+
+
+def greedy_mismatches(results: list[Measurement]) -> list[dict[str, Any]]:
+    """Every T=0 (variant, batch) whose outputs differ from no speculation's, with the first differing prompt."""
+    mismatches = []
+    for m in results:
+        if m.temperature != 0 or m.kind == "none":
+            continue
+        ref = next((r for r in results if r.kind == "none" and r.temperature == 0 and r.batch == m.batch), None)
+        if ref is None or ref.token_ids == m.token_ids:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(ref.token_ids, m.token_ids)) if a != b)
+        mismatches.append({"variant": m.variant, "batch": m.batch, "first_differing_prompt": first})
+    return mismatches
+
+
+def fmt_speedup(value: float | None) -> str:
+    return f"{value:.2f}x" if value is not None else "-"
+
+
+def format_table(results: list[Measurement]) -> str:
+    header = f"{'batch':>5} {'T':>4} {'variant':<22} {'tokens/step':>11} {'tokens/s':>9} {'vs none':>8} {'vs chain':>8}"
+    lines = [header, "-" * len(header)]
+    for m in sorted(results, key=lambda r: (r.temperature, r.batch)):
+        lines.append(
+            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} {m.tokens_per_step:>11.2f} {m.tokens_per_second:>9.1f}"
+            f" {fmt_speedup(m.speedup_vs_none):>8} {fmt_speedup(m.speedup_vs_chain):>8}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: list[Measurement], metric: str, ylabel: str, path: str) -> None:
+    """`metric` vs DDTree budget, one line per (batch, T); chain (dashed) and no speculation (dotted) as references."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    cells = sorted({(m.batch, m.temperature) for m in results})
+    for i, (batch, temperature) in enumerate(cells):
+        color = f"C{i % 10}"
+        cell = [m for m in results if (m.batch, m.temperature) == (batch, temperature)]
+        tree = sorted((m for m in cell if m.kind == "ddtree"), key=lambda m: m.budget or 0)
+        if tree:
+            ax.plot([m.budget for m in tree], [getattr(m, metric) for m in tree], "o-", color=color, label=f"ddtree, batch {batch}, T={temperature:g}")
+        for kind, style in (("chain", "--"), ("none", ":")):
+            ref = next((m for m in cell if m.kind == kind), None)
+            if ref is not None:
+                ax.axhline(getattr(ref, metric), linestyle=style, color=color, alpha=0.7, label=f"{ref.variant}, batch {batch}, T={temperature:g}")
+    ax.set_xscale("log", base=2)
+    budgets = sorted({m.budget for m in results if m.budget is not None})
+    if budgets:
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.minorticks_off()
+    ax.set_xlabel("DDTree budget (draft tokens per tree)")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out_dir: str, report: dict[str, Any], results: list[Measurement]) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
+    with open(stem + ".json", "w") as f:
+        json.dump(report, f, indent=2)
+    plot(results, "tokens_per_step", "tokens per step", stem + "-tokens_per_step.png")
+    plot(results, "tokens_per_second", "output tokens/s", stem + "-tokens_per_second.png")
+    return [stem + ".json", stem + "-tokens_per_step.png", stem + "-tokens_per_second.png"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table is the output
+    configure_cpu_environment()
+    machine = machine_info()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
+
+    results: list[Measurement] = []
+    errors: list[dict[str, str]] = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        target, draft, prompts, engine_kwargs, pair_label = select_pair(max(args.batches), work_dir)
+        print(f"pair: {pair_label}\ntarget {target}\ndraft  {draft}", flush=True)
+        for variant in build_variants(draft, args.budgets, args.temperatures):
+            start = time.perf_counter()
+            try:
+                results.extend(measure_variant(target, variant, prompts, args, engine_kwargs))
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not lose the others' numbers
+                errors.append({"variant": variant.name, "error": f"{type(exc).__name__}: {exc}"})
+                print(f"  FAILED: {variant.name}: {errors[-1]['error']}", file=sys.stderr, flush=True)
+                continue
+            print(f"  done: {variant.name} ({time.perf_counter() - start:.1f} s)", flush=True)
+
+    add_speedups(results)
+    mismatches = greedy_mismatches(results)
+    print("\n" + format_table(results))
+    if mismatches:
+        print(f"\nMISMATCH: greedy output differs from no speculation: {mismatches}", file=sys.stderr)
+    elif any(m.temperature == 0 for m in results):
+        print("\ngreedy outputs identical to no speculation for every variant and batch")
+
+    report = {
+        "machine": machine,
+        "args": vars(args),
+        "pair": {"label": pair_label, "target": target, "draft": draft},
+        "measurements": [{k: v for k, v in asdict(m).items() if k != "token_ids"} for m in results],
+        "greedy_mismatches": mismatches,
+        "errors": errors,
+    }
+    for path in write_outputs(args.out, report, results):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
