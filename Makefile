@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-core demo gpu-check gpu-check-smoke clean
+.PHONY: install test test-core demo bench bench-quick gpu-check gpu-check-smoke clean
 
 install: $(STAMP)
 
@@ -25,6 +25,13 @@ test-core: install
 
 demo: install
 	$(PY) -m vllm_ddtree.demo
+
+# Side-by-side benchmark matrix (DDTree vs vLLM's DFlash chain vs no speculation): table, JSON, PNG.
+bench: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/bench.py
+
+bench-quick: install
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/bench.py --quick
 
 # On a GPU machine with its own python3, torch and triton (no vLLM, no venv): <= 8 min on one H200.
 gpu-check:
