@@ -17,8 +17,7 @@ SamplingParams. At T=0 every variant's outputs are compared with no speculation 
 mismatches are recorded in the JSON and printed, not raised. n-gram is not run: once an n-gram engine
 has run, vLLM 0.32 cannot start another engine in the process.
 
-The pair is the demo's: the embedded trained pair (held-out code prompts) when vllm_ddtree/demo/pair/
-exists, else the synthetic focused pair built on the fly (token-id prompts).
+The pair is the demo's: the embedded trained pair with held-out code prompts (text).
 
     python benchmarks/bench.py [--quick] [--batches 1 4 16] [--budgets 8 16 32 64 128] [--temperatures 0 1]
                                [--max-tokens 64] [--repeats 3] [--out benchmarks/results]
@@ -32,7 +31,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -103,14 +101,12 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def select_pair(num_prompts: int, work_dir: str) -> tuple[str, str, list[Any], dict[str, Any], str]:
-    """(target, draft, prompts, engine kwargs, pair label), chosen as `make demo` does."""
-    from vllm_ddtree.demo.__main__ import synthetic_pair, trained_pair
+def select_pair(num_prompts: int) -> tuple[str, str, list[str]]:
+    """(target, draft, held-out text prompts) of the embedded pair, as `make demo` uses it."""
+    from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
 
-    pair = trained_pair(num_prompts)
-    if pair is not None:
-        return (*pair, "trained (vllm_ddtree/demo/pair)")
-    return (*synthetic_pair(num_prompts, work_dir), "synthetic focused (built on the fly)")
+    target, draft = demo_pair_paths()
+    return target, draft, heldout_prompts(num_prompts, 64, as_text=True)
 
 
 def build_variants(draft: str, budgets: list[int], temperatures: list[float]) -> list[BenchVariant]:
@@ -278,18 +274,17 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[Measurement] = []
     errors: list[dict[str, str]] = []
-    with tempfile.TemporaryDirectory() as work_dir:
-        target, draft, prompts, engine_kwargs, pair_label = select_pair(max(args.batches), work_dir)
-        print(f"pair: {pair_label}\ntarget {target}\ndraft  {draft}", flush=True)
-        for variant in build_variants(draft, args.budgets, args.temperatures):
-            start = time.perf_counter()
-            try:
-                results.extend(measure_variant(target, variant, prompts, args, engine_kwargs))
-            except Exception as exc:  # noqa: BLE001 - one broken variant must not lose the others' numbers
-                errors.append({"variant": variant.name, "error": f"{type(exc).__name__}: {exc}"})
-                print(f"  FAILED: {variant.name}: {errors[-1]['error']}", file=sys.stderr, flush=True)
-                continue
-            print(f"  done: {variant.name} ({time.perf_counter() - start:.1f} s)", flush=True)
+    target, draft, prompts = select_pair(max(args.batches))
+    print(f"target {target}\ndraft  {draft}", flush=True)
+    for variant in build_variants(draft, args.budgets, args.temperatures):
+        start = time.perf_counter()
+        try:
+            results.extend(measure_variant(target, variant, prompts, args, {}))
+        except Exception as exc:  # noqa: BLE001 - one broken variant must not lose the others' numbers
+            errors.append({"variant": variant.name, "error": f"{type(exc).__name__}: {exc}"})
+            print(f"  FAILED: {variant.name}: {errors[-1]['error']}", file=sys.stderr, flush=True)
+            continue
+        print(f"  done: {variant.name} ({time.perf_counter() - start:.1f} s)", flush=True)
 
     add_speedups(results)
     mismatches = greedy_mismatches(results)
@@ -302,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "machine": machine,
         "args": vars(args),
-        "pair": {"label": pair_label, "target": target, "draft": draft},
+        "pair": {"target": target, "draft": draft},
         "measurements": [{k: v for k, v in asdict(m).items() if k != "token_ids"} for m in results],
         "greedy_mismatches": mismatches,
         "errors": errors,

@@ -42,6 +42,13 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[dict[str, list[int]]]
     return [{"prompt_token_ids": [(7 * (i + seed) + 13 * j * j + 3 * j) % 499 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
 
 
+def heldout_code_prompts(lengths=PROMPT_LENGTHS) -> list[dict[str, list[int]]]:
+    """The embedded pair's held-out code, one file per prompt, cut to the given lengths."""
+    from vllm_ddtree.demo import heldout_prompts
+
+    return [{"prompt_token_ids": ids[:n]} for ids, n in zip(heldout_prompts(len(lengths), max(lengths)), lengths)]
+
+
 @dataclass
 class Run:
     """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters (and
@@ -111,9 +118,13 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
 
 @pytest.fixture(scope="session")
 def pair_dirs(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """{"random": (target, draft), "focused": (target, draft)}."""
+    """{"random": ..., "focused": ..., "trained": (target, draft)}: two synthetic pairs built here
+    (vocab 512) and the embedded trained pair (vllm_ddtree/demo/pair)."""
+    from vllm_ddtree.demo import demo_pair_paths
+
     root = tmp_path_factory.mktemp("pairs")
-    return {name: build_pair(str(root / name), focused=name == "focused") for name in ("random", "focused")}
+    pairs = {name: build_pair(str(root / name), focused=name == "focused") for name in ("random", "focused")}
+    return {**pairs, "trained": demo_pair_paths()}
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +132,7 @@ def engine_runs(pair_dirs) -> Callable[..., Run]:
     """engine_runs(pair, spec, **llm_kwargs) -> Run over the standard prompts, computed once per session.
 
     spec: None (plain decoding), ("dflash", k) or ("ddtree", budget[, extra keys dict]).
+    Prompts: the standard token-id prompts; held-out code of the same lengths for the trained pair.
     """
     from vllm import SamplingParams
 
@@ -135,7 +147,8 @@ def engine_runs(pair_dirs) -> Callable[..., Run]:
                 method, k, *extra = spec
                 config = {"method": method, "model": draft, "num_speculative_tokens": k, **(extra[0] if extra else {})}
             params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-            cache[key] = run_engine(target, config, prompts(), params, **llm_kwargs)
+            requests = heldout_code_prompts() if pair == "trained" else prompts()
+            cache[key] = run_engine(target, config, requests, params, **llm_kwargs)
         return cache[key]
 
     return get

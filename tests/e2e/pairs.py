@@ -1,5 +1,103 @@
-"""Test pairs: the synthetic pairs live in the package (the demo uses them until a trained pair ships)."""
+"""Tiny synthetic Qwen3 target + DFlash draft pairs (z-lab checkpoint format), built in seconds.
 
-from vllm_ddtree.demo.synthetic_pair import BLOCK_SIZE, EOS_TOKEN_ID, FOCUS, MASK_TOKEN_ID, VOCAB, build_pair
+- random pair: random weights; the draft almost never agrees with the target, so it checks that
+  verification is exact whatever the draft proposes.
+- focused pair: every token's embedding has a component along a direction `u`, and the LM-head rows
+  of four FOCUS tokens are 6u (+0.1u per FOCUS index) plus noise orthogonal to `u`: the target's greedy
+  token is always a FOCUS token, which one set by the noise part of its hidden state, i.e. by the
+  context (attention and MLP outputs are scaled down, not removed: greedy outputs change when
+  attention is switched off). The mask token's embedding is 6u and the draft's layer outputs are tiny,
+  so at every depth the draft ranks the FOCUS tokens in the fixed order of their `u` component with
+  well-spread probabilities: its top-1 is often wrong, its top-4 always holds the target's token.
+  Measured on the standard prompts: DFlash's chain commits ~1.5 tokens per step, a tree of 7 or 32
+  nodes ~2.8, mostly through non-rank-0 children. Its generation_config.json names EOS_TOKEN_ID (a
+  FOCUS token), so requests without ignore_eos stop on it.
+"""
 
-__all__ = ["BLOCK_SIZE", "EOS_TOKEN_ID", "FOCUS", "MASK_TOKEN_ID", "VOCAB", "build_pair"]
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 512
+BLOCK_SIZE = 8
+MASK_TOKEN_ID = VOCAB - 1
+FOCUS = (11, 23, 37, 45)
+EOS_TOKEN_ID = 23
+HIDDEN = 128
+
+
+def _qwen3_config(num_layers: int):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+
+
+def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
+    """Write target/ and draft/ under out_dir; returns their paths."""
+    from transformers import Qwen3ForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    target = Qwen3ForCausalLM(_qwen3_config(4))
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        if focused:
+            u = torch.randn(HIDDEN, generator=gen)
+            u /= u.norm()
+            target.model.embed_tokens.weight.add_(4.0 * u)
+            for layer in target.model.layers:  # keep context effects, but below the shared direction
+                layer.self_attn.o_proj.weight.mul_(0.05)
+                layer.mlp.down_proj.weight.mul_(0.05)
+            for norm in [target.model.norm] + [m for l in target.model.layers for m in (l.input_layernorm, l.post_attention_layernorm)]:
+                norm.weight.fill_(1.0)
+            head = target.lm_head.weight
+            head.mul_(0.1)
+            noise = torch.randn(len(FOCUS), HIDDEN, generator=gen) * 0.4
+            along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
+            head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
+            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
+    target_dir = os.path.join(out_dir, "target")
+    target.save_pretrained(target_dir, safe_serialization=True)
+    if focused:
+        with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
+
+    draft = Qwen3ForCausalLM(_qwen3_config(1))
+    weights = {
+        k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
+        for k, v in draft.state_dict().items()
+        if k.startswith("model.") and "embed_tokens" not in k
+    }
+    weights["fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.05
+    weights["hidden_norm.weight"] = torch.ones(HIDDEN)
+    if focused:
+        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+            weights[name].mul_(0.002)
+    draft_dir = os.path.join(out_dir, "draft")
+    os.makedirs(draft_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
+    config = _qwen3_config(1).to_dict()
+    config.update(
+        architectures=["DFlashDraftModel"],
+        block_size=BLOCK_SIZE,
+        num_target_layers=4,
+        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": [1, 2]},
+    )
+    with open(os.path.join(draft_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return target_dir, draft_dir

@@ -2,8 +2,9 @@
 
 Batches of 8 prompts (3..100 tokens, the longest prefilled in chunks of 64) under budgets 1,
 block_size - 1 and 32, on a random pair (drafts almost never accepted: verification must be exact
-whatever is drafted) and a focused pair (drafts accepted deep in the tree, through non-rank-0
-children: tree attention, walk, KV compaction and draft context all matter).
+whatever is drafted), a focused pair (drafts accepted deep in the tree, through non-rank-0
+children: tree attention, walk, KV compaction and draft context all matter) and the embedded trained
+pair on held-out code (a real draft: the tree beats the chain).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tests.e2e.pairs import BLOCK_SIZE
 BUDGETS = (1, BLOCK_SIZE - 1, 32)
 
 
-@pytest.mark.parametrize("pair", ["random", "focused"])
+@pytest.mark.parametrize("pair", ["random", "focused", "trained"])
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_greedy_output_equals_plain_and_dflash(engine_runs, pair, budget):
     plain = engine_runs(pair, None)
@@ -26,8 +27,9 @@ def test_greedy_output_equals_plain_and_dflash(engine_runs, pair, budget):
     assert all(len(t) == 32 for t in ddtree.token_ids)
 
 
-def test_tree_accepts_deep_and_off_the_greedy_chain(engine_runs):
-    run = engine_runs("focused", ("ddtree", 32))
+@pytest.mark.parametrize("pair", ["focused", "trained"])
+def test_tree_accepts_deep_and_off_the_greedy_chain(engine_runs, pair):
+    run = engine_runs(pair, ("ddtree", 32))
     assert run.tokens_per_step > 1.5
     ranks_of_accepted = []
     for step in run.steps:
@@ -66,3 +68,11 @@ def test_spec_decode_metrics_count_tree_steps(engine_runs):
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 32
     assert per_pos == [sum(a > i for a in accepted_per_step) for i in range(32)]
+
+
+def test_trained_pair_tree_beats_its_chain(engine_runs):
+    """On held-out code the trained draft's chain accepts several tokens and the tree accepts more."""
+    chain = engine_runs("trained", ("dflash", BLOCK_SIZE - 1))
+    tree = engine_runs("trained", ("ddtree", 32))
+    assert chain.tokens_per_step > 2.0
+    assert tree.tokens_per_step > 1.15 * chain.tokens_per_step

@@ -20,6 +20,9 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "distributed_executor_backend": "uni",
     "disable_log_stats": False,
     "seed": 0,
+    # a fixed KV cache size: vLLM's CPU worker otherwise reserves 92% of free memory and refuses to
+    # start when other processes use memory
+    "kv_cache_memory_bytes": 256 * 2**20,
 }
 
 
