@@ -19,7 +19,10 @@ checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
 `worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
 `log_rewrite` logs what it forced. Refused with a message: non-CPU platforms, the V2 model runner,
-async scheduling, another worker_cls, a quantized KV cache, pipeline/data parallelism > 1. Tensor
+async scheduling, another worker_cls, a quantized KV cache, pipeline/data parallelism > 1, a budget
+outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has built its configs,
+`check_engine_config` refuses drafts that do not fit the target (vocabulary, hidden size,
+target_layer_ids), hybrid, attention-free and M-RoPE targets, and a V2 model runner vLLM chose. Tensor
 parallelism is supported (every rank samples from the same all-gathered logits and the sampled tokens
 are broadcast from rank 0, so all ranks accept the same path; see `runner.DDTreeModelRunner._sample`).
 """
@@ -30,6 +33,8 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from vllm_ddtree.core.tree import MAX_BUDGET
 
 # A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
 logger = logging.getLogger("vllm.ddtree")
@@ -42,13 +47,15 @@ _PASSTHROUGH_KEYS = frozenset(
     {"model", "num_speculative_tokens", "enforce_eager", "max_model_len", "revision", "code_revision", "quantization"}
 )
 _DDTREE_KEYS = frozenset({"ddtree_topk"})
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+_USE_A_MATCHING_DRAFT = "point 'model' at the DFlash draft trained for this target"
 
 
 @dataclass(frozen=True)
 class DDTreeConfig:
     """DDTree settings shared by every vLLM process (carried in `additional_config["ddtree"]`).
 
-    budget: draft nodes verified per step (root excluded), >= 1.
+    budget: draft nodes verified per step (root excluded), in 1..MAX_BUDGET.
     topk: cap on candidates per draft position, >= 1; None means no cap beyond the budget.
     """
 
@@ -56,8 +63,11 @@ class DDTreeConfig:
     topk: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget < 1:
-            raise ValueError(f"method 'ddtree' needs num_speculative_tokens (the tree budget) >= 1, got {self.budget!r}")
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or not 1 <= self.budget <= MAX_BUDGET:
+            raise ValueError(
+                f"method 'ddtree' needs num_speculative_tokens (the tree budget) >= 1 and <= {MAX_BUDGET} "
+                f"(the tree builder's maximum), got {self.budget!r}; set num_speculative_tokens in that range"
+            )
         if self.topk is not None and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1):
             raise ValueError(f"ddtree_topk must be an integer >= 1, got {self.topk!r}")
 
@@ -107,7 +117,10 @@ def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, An
             f"{sorted(_PASSTHROUGH_KEYS | _DDTREE_KEYS | {'method'})}. Use method 'dflash' for the other options."
         )
     if not spec.get("model"):
-        raise ValueError("method 'ddtree' needs 'model': a DFlash draft checkpoint")
+        raise ValueError(
+            "method 'ddtree' needs 'model': the DFlash draft checkpoint (path or hub id) trained for the target; "
+            "add it to speculative_config (or pass --spec-model)"
+        )
     ddtree = DDTreeConfig(budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"))
     dflash = {key: value for key, value in spec.items() if key in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"
@@ -124,8 +137,11 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     ddtree, dflash = _split_user_config(_user_speculative_config(args))
     if not current_platform.is_cpu():
         raise ValueError("method 'ddtree' runs on vLLM's CPU backend only in this release; use method 'dflash' on GPUs")
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip().lower() in ("1", "true"):
-        raise ValueError("method 'ddtree' needs vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+    if _requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
+        raise ValueError(
+            f"method 'ddtree' needs vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
+            f"{os.environ['VLLM_USE_V2_MODEL_RUNNER']} asks for the V2 one; unset it or set it to 0"
+        )
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     if args.worker_cls not in ("auto", WORKER_CLS):
@@ -137,12 +153,115 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             raise ValueError(f"method 'ddtree' supports tensor parallelism only in this release; drop {name}={getattr(args, name)}")
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
+    check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
 
     args.speculative_config = dflash
     args.async_scheduling = False
     args.worker_cls = WORKER_CLS
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: asdict(ddtree)}
     return ddtree
+
+
+def _requests_v2_model_runner(value: str | None) -> bool:
+    """Whether VLLM_USE_V2_MODEL_RUNNER asks for the V2 runner (vLLM reads it as bool(int(value)))."""
+    try:
+        return value is not None and bool(int(value))
+    except ValueError:
+        return value.strip().lower() == "true"
+
+
+def _load_hf_config(args: Any, dflash: dict[str, Any]) -> Any:
+    """The draft checkpoint's Hugging Face config, read as vLLM reads it (local dir or hub id)."""
+    from vllm.transformers_utils.config import get_config
+
+    return get_config(
+        dflash["model"],
+        trust_remote_code=args.trust_remote_code,
+        revision=dflash.get("revision"),
+        code_revision=dflash.get("code_revision"),
+    )
+
+
+def _target_layer_ids(draft_hf_config: Any) -> Any:
+    dflash_config = getattr(draft_hf_config, "dflash_config", None)
+    return dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
+
+
+def check_draft_checkpoint(draft: str, draft_hf_config: Any) -> None:
+    """Raise unless the draft is a DFlash checkpoint: architectures [DFLASH_ARCHITECTURE] plus a
+    `dflash_config` naming `target_layer_ids` (the z-lab format vLLM's DFlash model code runs).
+
+    Runs before vLLM builds its configs, which would otherwise fail on a plain model with a message
+    about an unsupported architecture it derived itself.
+    """
+    architectures = list(getattr(draft_hf_config, "architectures", None) or [])
+    has_dflash_config = isinstance(getattr(draft_hf_config, "dflash_config", None), dict)
+    if DFLASH_ARCHITECTURE not in architectures or not has_dflash_config:
+        raise ValueError(
+            f"method 'ddtree' needs a DFlash draft checkpoint as 'model' (config.json with architectures "
+            f"[{DFLASH_ARCHITECTURE!r}] and a dflash_config), but {draft} has architectures {architectures}"
+            f"{'' if has_dflash_config else ' and no dflash_config'}; {_USE_A_MATCHING_DRAFT}"
+        )
+    layer_ids = _target_layer_ids(draft_hf_config)
+    if not isinstance(layer_ids, list) or not layer_ids or not all(type(i) is int for i in layer_ids):
+        raise ValueError(
+            f"method 'ddtree' needs the draft's dflash_config.target_layer_ids (a non-empty list of target layer "
+            f"indices), but {draft} has {layer_ids!r}; {_USE_A_MATCHING_DRAFT}"
+        )
+
+
+def check_engine_config(vllm_config: Any) -> None:
+    """Raise on a target, a draft or a runner choice method 'ddtree' cannot serve, once vLLM has built
+    its configs and before any weight is loaded. Every message names the problem and the fix.
+
+    - the target: every layer must be attention over the paged KV cache (no hybrid or attention-free
+      model) with 1-D positions (no M-RoPE), since tree nodes sit at positions `start + depth`;
+    - the draft must fit the target: same vocabulary (it drafts target token ids through the target's
+      embedding and LM head), same hidden size (it reads the target's hidden states) and
+      dflash_config.target_layer_ids inside the target's layers (vLLM would fail at the first step);
+    - vLLM must have chosen its V1 model runner (our runner subclasses it).
+    """
+    target = vllm_config.model_config
+    draft = vllm_config.speculative_config.draft_model_config
+    name = f"{target.model} ({', '.join(target.architectures)})"
+    serve_elsewhere = "serve this model without method 'ddtree' (plain decoding or another speculative method)"
+    if target.is_hybrid:
+        raise ValueError(
+            f"method 'ddtree' does not support hybrid targets (attention mixed with Mamba/linear-attention "
+            f"layers) such as {name}: the tree verify step needs attention over the KV cache in every layer; "
+            f"{serve_elsewhere}"
+        )
+    if target.is_attention_free:
+        raise ValueError(
+            f"method 'ddtree' does not support attention-free (Mamba/SSM) targets such as {name}: the tree "
+            f"verify step needs attention over the KV cache in every layer; {serve_elsewhere}"
+        )
+    if target.uses_mrope:
+        raise ValueError(
+            f"method 'ddtree' does not support targets with M-RoPE (multimodal rotary positions) such as {name}: "
+            f"tree nodes take 1-D positions start + depth; {serve_elsewhere}"
+        )
+    for what, draft_value, target_value, why in (
+        ("vocab_size", draft.get_vocab_size(), target.get_vocab_size(), "a DFlash draft proposes target token ids"),
+        ("hidden_size", draft.get_hidden_size(), target.get_hidden_size(), "a DFlash draft reads the target's hidden states"),
+    ):
+        if draft_value != target_value:
+            raise ValueError(
+                f"method 'ddtree': the draft {draft.model} has {what} {draft_value} but the target {target.model} "
+                f"has {target_value}, and {why}; {_USE_A_MATCHING_DRAFT}"
+            )
+    num_layers = target.get_total_num_hidden_layers()
+    layer_ids = _target_layer_ids(draft.hf_config) or []
+    if any(not 0 <= i < num_layers for i in layer_ids):
+        raise ValueError(
+            f"method 'ddtree': the draft {draft.model} has dflash_config.target_layer_ids {layer_ids}, but the "
+            f"target {target.model} has layers 0..{num_layers - 1} only; {_USE_A_MATCHING_DRAFT}"
+        )
+    if vllm_config.use_v2_model_runner:
+        raise ValueError(
+            "method 'ddtree' needs vLLM's V1 model runner, but vLLM chose its V2 model runner for this engine; "
+            "set VLLM_USE_V2_MODEL_RUNNER=0"
+        )
 
 
 def log_rewrite(ddtree: DDTreeConfig) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_ddtree.vllm.config import (
     DDTreeConfig,
+    check_engine_config,
     is_ddtree_request,
     log_rewrite,
     rewrite_engine_args,
@@ -28,6 +29,7 @@ def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, **kwargs)
         ddtree = rewrite_engine_args(self)
         config = original(self, *args, **kwargs)
+        check_engine_config(config)
         log_rewrite(ddtree)  # after the original: it configures vLLM's logging first
         return config
 
