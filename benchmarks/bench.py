@@ -7,12 +7,16 @@ new tokens each (ignore_eos), repeated `--repeats` times; the table reports medi
 * tokens per step: 1 + accepted draft tokens / drafts, from vLLM's own spec-decode counters read
   before and after the timed generation (1 without speculation);
 * output tokens/s: generated tokens / wall-clock seconds of the timed generation;
-* speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature).
+* speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature);
+* for DDTree engines, milliseconds per engine step by stage (`vllm_ddtree.vllm.stage_times`: draft
+  forward, top-k, tree build + compile, target forward, acceptance, KV compaction, rest) and DDTree's
+  own overhead = (top-k + tree build + acceptance + KV compaction) / step time.
 
 How: one in-process CPU engine per variant (engines are the expensive part), warmed up once, then
 timed on every (temperature, batch, repeat) it serves. The chain baseline is vLLM's DFlash chain
-(`num_speculative_tokens = block_size - 1`) at T=0; at T>0 it is a chain-shaped DDTree (`ddtree_topk=1`),
-because stock dflash's CPU sampler is biased at T>0. At T>0 each prompt gets its own seeded
+(`num_speculative_tokens = block_size - 1`) at T=0; at T>0 it is DDTree of width 1 (`ddtree_topk=1`, the
+chain's shape), because stock dflash's CPU sampler is biased at T>0. Width 1 also runs at T=0, where
+it must match the chain's tokens per step at (almost) its step time. At T>0 each prompt gets its own seeded
 SamplingParams. At T=0 every variant's outputs are compared with no speculation (DDTree is lossless);
 mismatches are recorded in the JSON and printed, not raised. n-gram is not run: once an n-gram engine
 has run, vLLM 0.32 cannot start another engine in the process.
@@ -36,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm_ddtree.demo.side_by_side import ENGINE_DEFAULTS, configure_cpu_environment, read_spec_counters, shutdown
+from vllm_ddtree.vllm.stage_times import ENV_FLAG as STAGE_TIMES_FLAG
 
 MAX_MODEL_LEN = 1024
 
@@ -67,6 +72,7 @@ class Measurement:
     acceptance_per_position: list[float]
     speedup_vs_none: float | None = None
     speedup_vs_chain: float | None = None
+    stage_ms_per_step: dict[str, float] | None = None
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
 
@@ -110,18 +116,18 @@ def select_pair(num_prompts: int) -> tuple[str, str, list[str]]:
 
 
 def build_variants(draft: str, budgets: list[int], temperatures: list[float]) -> list[BenchVariant]:
+    """No speculation; vLLM's DFlash chain (T=0 only); DDTree of width 1 (top-1 at every depth, budget
+    block_size - 1: the chain's shape under our exact sampler, the chain baseline at T>0); DDTree budgets."""
     with open(os.path.join(draft, "config.json")) as f:
         chain_length = json.load(f)["block_size"] - 1
     all_t = tuple(temperatures)
     greedy = tuple(t for t in temperatures if t == 0)
-    sampled = tuple(t for t in temperatures if t > 0)
     variants = [BenchVariant("no speculation", "none", None, None, all_t)]
     if greedy:
         config = {"method": "dflash", "model": draft, "num_speculative_tokens": chain_length}
         variants.append(BenchVariant("dflash chain (vLLM)", "chain", None, config, greedy))
-    if sampled:
-        config = {"method": "ddtree", "model": draft, "num_speculative_tokens": chain_length, "ddtree_topk": 1}
-        variants.append(BenchVariant("ddtree chain (topk 1)", "chain", None, config, sampled))
+    config = {"method": "ddtree", "model": draft, "num_speculative_tokens": chain_length, "ddtree_topk": 1}
+    variants.append(BenchVariant("ddtree width 1", "width1", chain_length, config, all_t))
     for b in budgets:
         config = {"method": "ddtree", "model": draft, "num_speculative_tokens": b}
         variants.append(BenchVariant(f"ddtree budget {b}", "ddtree", b, config, all_t))
@@ -137,26 +143,60 @@ def sampling_for(batch: int, temperature: float, max_tokens: int) -> Any:
     return [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(batch)]
 
 
-def timed_generate(llm: Any, prompts: list[Any], sampling: Any) -> tuple[float, float, float, list[float], list[list[int]]]:
-    """(seconds, tokens/step, tokens/s, acceptance per position, token ids) of one timed generation."""
+@dataclass
+class TimedRun:
+    seconds: float
+    tokens_per_step: float
+    tokens_per_second: float
+    acceptance_per_position: list[float]
+    token_ids: list[list[int]]
+    stage_ms_per_step: dict[str, float] | None
+
+
+def stage_timer(llm: Any) -> Any:
+    """The DDTree runner's StageTimes (None for other methods)."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return getattr(runner, "stage_times", None)
+
+
+def timed_generate(llm: Any, prompts: list[Any], sampling: Any) -> TimedRun:
+    timer = stage_timer(llm)
+    if timer is not None:
+        timer.reset()
     before = read_spec_counters(llm)
     start = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     seconds = time.perf_counter() - start
     c = read_spec_counters(llm) - before
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    per_step = 1.0 + c.accepted / c.drafts if c.drafts else 1.0
-    acceptance = [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
-    return seconds, per_step, sum(map(len, token_ids)) / seconds, acceptance, token_ids
+    stages = None
+    if timer is not None and timer.enabled:
+        snapshot = timer.snapshot()
+        steps = max(1.0, snapshot.pop("steps"))
+        stages = {name: 1000 * value / steps for name, value in snapshot.items()}
+    return TimedRun(
+        seconds=seconds,
+        tokens_per_step=1.0 + c.accepted / c.drafts if c.drafts else 1.0,
+        tokens_per_second=sum(map(len, token_ids)) / seconds,
+        acceptance_per_position=[a / c.drafts for a in c.accepted_per_position] if c.drafts else [],
+        token_ids=token_ids,
+        stage_ms_per_step=stages,
+    )
+
+
+def median_stages(runs: list[TimedRun]) -> dict[str, float] | None:
+    if runs[0].stage_ms_per_step is None:
+        return None
+    return {name: statistics.median(r.stage_ms_per_step[name] for r in runs) for name in runs[0].stage_ms_per_step}
 
 
 def measure_variant(
-    target: str, variant: BenchVariant, prompts: list[Any], args: argparse.Namespace, engine_kwargs: dict[str, Any]
+    target: str, variant: BenchVariant, prompts: list[Any], args: argparse.Namespace
 ) -> list[Measurement]:
     """One engine for the variant: warm-up, then every (temperature, batch, repeat) it serves."""
     from vllm import LLM
 
-    kwargs = {**ENGINE_DEFAULTS, "max_model_len": MAX_MODEL_LEN, **engine_kwargs}
+    kwargs = {**ENGINE_DEFAULTS, "max_model_len": MAX_MODEL_LEN}
     llm = LLM(model=target, speculative_config=variant.speculative_config, **kwargs)
     results = []
     try:
@@ -172,11 +212,12 @@ def measure_variant(
                         batch=batch,
                         temperature=temperature,
                         repeats=args.repeats,
-                        tokens_per_step=statistics.median(r[1] for r in runs),
-                        tokens_per_second=statistics.median(r[2] for r in runs),
-                        seconds=[r[0] for r in runs],
-                        acceptance_per_position=runs[0][3],
-                        token_ids=runs[0][4],
+                        tokens_per_step=statistics.median(r.tokens_per_step for r in runs),
+                        tokens_per_second=statistics.median(r.tokens_per_second for r in runs),
+                        seconds=[r.seconds for r in runs],
+                        acceptance_per_position=runs[0].acceptance_per_position,
+                        stage_ms_per_step=median_stages(runs),
+                        token_ids=runs[0].token_ids,
                     )
                 )
     finally:
@@ -188,7 +229,7 @@ def add_speedups(results: list[Measurement]) -> None:
     for m in results:
         cell = [r for r in results if (r.batch, r.temperature) == (m.batch, m.temperature)]
         none = next((r for r in cell if r.kind == "none"), None)
-        chain = next((r for r in cell if r.kind == "chain"), None)
+        chain = next((r for r in cell if r.kind == "chain"), None) or next((r for r in cell if r.kind == "width1"), None)
         m.speedup_vs_none = m.tokens_per_second / none.tokens_per_second if none else None
         m.speedup_vs_chain = m.tokens_per_second / chain.tokens_per_second if chain else None
 
@@ -220,6 +261,57 @@ def format_table(results: list[Measurement]) -> str:
             f" {fmt_speedup(m.speedup_vs_none):>8} {fmt_speedup(m.speedup_vs_chain):>8}"
         )
     return "\n".join(lines)
+
+
+OVERHEAD_STAGES = ("top-k", "tree build + compile", "acceptance", "kv compaction")
+
+
+def overhead_fraction(stages: dict[str, float]) -> float:
+    """DDTree's own work per step over the step's wall time."""
+    return sum(stages[name] for name in OVERHEAD_STAGES) / sum(stages.values())
+
+
+def format_stage_table(results: list[Measurement]) -> str:
+    staged = [m for m in results if m.stage_ms_per_step]
+    if not staged:
+        return ""
+    names = list(staged[0].stage_ms_per_step)
+    header = f"{'batch':>5} {'T':>4} {'variant':<22} " + " ".join(f"{n[:12]:>12}" for n in names) + f" {'step ms':>8} {'overhead':>8}"
+    lines = ["milliseconds per engine step by stage (medians over repeats)", header, "-" * len(header)]
+    for m in sorted(staged, key=lambda r: (r.temperature, r.batch, r.budget or 0)):
+        st = m.stage_ms_per_step
+        lines.append(
+            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} " + " ".join(f"{st[n]:>12.2f}" for n in names)
+            + f" {sum(st.values()):>8.2f} {100 * overhead_fraction(st):>7.1f}%"
+        )
+    return "\n".join(lines)
+
+
+def plot_stages(results: list[Measurement], path: str) -> None:
+    """Stacked bars: milliseconds per step by stage for every DDTree engine and (batch, T)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    staged = sorted((m for m in results if m.stage_ms_per_step), key=lambda r: (r.temperature, r.batch, r.budget or 0))
+    if not staged:
+        return
+    names = list(staged[0].stage_ms_per_step)
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(staged)), 5))
+    bottoms = [0.0] * len(staged)
+    for i, name in enumerate(names):
+        heights = [m.stage_ms_per_step[name] for m in staged]
+        ax.bar(range(len(staged)), heights, bottom=bottoms, color=f"C{i}", label=name)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    labels = [f"{'w1' if m.kind == 'width1' else m.budget} b{m.batch} T{m.temperature:g}" for m in staged]
+    ax.set_xticks(range(len(staged)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("ms per engine step")
+    ax.set_title("DDTree step time by stage (budget, batch, temperature)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def plot(results: list[Measurement], metric: str, ylabel: str, path: str) -> None:
@@ -262,13 +354,15 @@ def write_outputs(out_dir: str, report: dict[str, Any], results: list[Measuremen
         json.dump(report, f, indent=2)
     plot(results, "tokens_per_step", "tokens per step", stem + "-tokens_per_step.png")
     plot(results, "tokens_per_second", "output tokens/s", stem + "-tokens_per_second.png")
-    return [stem + ".json", stem + "-tokens_per_step.png", stem + "-tokens_per_second.png"]
+    plot_stages(results, stem + "-stages.png")
+    return [stem + ".json", stem + "-tokens_per_step.png", stem + "-tokens_per_second.png", stem + "-stages.png"]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table is the output
     configure_cpu_environment()
+    os.environ[STAGE_TIMES_FLAG] = "1"  # DDTree engines time their stages (a few perf_counter calls per step)
     machine = machine_info()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
 
@@ -279,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in build_variants(draft, args.budgets, args.temperatures):
         start = time.perf_counter()
         try:
-            results.extend(measure_variant(target, variant, prompts, args, {}))
+            results.extend(measure_variant(target, variant, prompts, args))
         except Exception as exc:  # noqa: BLE001 - one broken variant must not lose the others' numbers
             errors.append({"variant": variant.name, "error": f"{type(exc).__name__}: {exc}"})
             print(f"  FAILED: {variant.name}: {errors[-1]['error']}", file=sys.stderr, flush=True)
@@ -289,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     add_speedups(results)
     mismatches = greedy_mismatches(results)
     print("\n" + format_table(results))
+    print("\n" + format_stage_table(results))
     if mismatches:
         print(f"\nMISMATCH: greedy output differs from no speculation: {mismatches}", file=sys.stderr)
     elif any(m.temperature == 0 for m in results):

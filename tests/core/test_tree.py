@@ -45,6 +45,17 @@ def test_builder_equals_brute_force_top_budget_paths(table, budget):
         assert built == best_paths_oracle(logprobs[r], budget)  # same set, same best-first order
 
 
+@given(draft_tables(), st.integers(0, 12))
+def test_one_candidate_per_depth_gives_the_oracle_chain(table, budget):
+    """K = 1 (and budget 1) take the chain fast path; it must equal the brute-force best paths too."""
+    roots, logprobs, token_ids = (table[0], table[1][:, :, :1], table[2][:, :, :1])
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    check_invariants(tree, roots, logprobs, token_ids)
+    for r in range(roots.shape[0]):
+        built = rank_paths(tree.parents[r].tolist(), tree.ranks[r].tolist(), int(tree.num_nodes[r]))
+        assert built == best_paths_oracle(logprobs[r], budget)
+
+
 @given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 6), st.integers(1, 30), st.integers(0, 2**31 - 1))
 def test_builder_matches_oracle_on_softmax_logprobs(num_req, depth, topk, budget, seed):
     gen = torch.Generator().manual_seed(seed)

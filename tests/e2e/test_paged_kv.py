@@ -12,7 +12,7 @@ def test_rows_written_by_vllm_read_back_and_move(dtype, block_size, head_size):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, read_rows, row_index
+    from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, read_blocks, read_rows, row_index
 
     isa = _get_attn_isa(dtype, block_size, head_size)
     num_blocks, num_heads = 5, 2
@@ -27,6 +27,16 @@ def test_rows_written_by_vllm_read_back_and_move(dtype, block_size, head_size):
     layout = probe_layout(isa, block_size, head_size, dtype)
     read_keys, read_values = read_rows(cache, row_index(layout, slots, num_heads))
     assert torch.equal(read_keys, keys) and torch.equal(read_values, values)
+
+    # Whole blocks in block-table order: position p of a request is row p % block_size of its block p // block_size.
+    block_ids = torch.tensor([[3, 0, 4], [1, 1, 2]])
+    block_keys, block_values = read_blocks(cache, block_ids, layout)
+    positions = torch.arange(3 * block_size)
+    for r in range(2):
+        row_slots = block_ids[r, positions // block_size] * block_size + positions % block_size
+        expect_keys, expect_values = read_rows(cache, row_index(layout, row_slots, num_heads))
+        assert torch.equal(block_keys[r], expect_keys.transpose(0, 1))
+        assert torch.equal(block_values[r], expect_values.transpose(0, 1))
 
     # Overlapping move (a later source is an earlier destination): sources are read before writing.
     src, dst = slots[4:12], slots[:8]

@@ -121,6 +121,8 @@ def build_draft_trees(
         return DraftTree(root.expand_as(zeros).clone(), zeros - 1, zeros, zeros.clone(), valid, valid.sum(1), max_depth)
 
     topk = min(topk, budget)
+    if topk == 1:
+        return _chain_tree(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
     parent_pos, token_rank = _candidate_pairs(budget, topk, str(device))
     num_pairs = parent_pos.numel()
     # Within-depth key of candidate p: score * num_pairs + (num_pairs - 1 - p); scores enter scaled.
@@ -168,6 +170,31 @@ def build_draft_trees(
         parents=torch.where(valid, parents, -1),
         depths=torch.where(valid, depth_flat.expand(num_req, -1).gather(1, order), 0),
         ranks=torch.where(valid, rank_flat.gather(1, order), 0),
+        valid=valid,
+        num_nodes=valid.sum(1),
+        max_depth=max_depth,
+    )
+
+
+def _chain_tree(root: torch.Tensor, logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
+    """The best-first tree when every depth offers one candidate: the draft's chain, cut at the budget
+    and before the first -inf (what the general builder yields for K = 1, without its selections)."""
+    num_req, max_depth = logprobs.shape
+    device = logprobs.device
+    depth = min(budget, max_depth)
+    reachable = (logprobs[:, :depth] > float("-inf")).long().cummin(1).values.bool()
+    valid = torch.zeros((num_req, budget + 1), dtype=torch.bool, device=device)
+    valid[:, 0] = True
+    valid[:, 1 : depth + 1] = reachable
+    tokens = root.expand(num_req, budget + 1).clone()
+    tokens[:, 1 : depth + 1] = token_ids[:, :depth]
+    index = torch.arange(budget + 1, device=device).expand(num_req, budget + 1)
+    zeros = torch.zeros_like(index)
+    return DraftTree(
+        token_ids=torch.where(valid, tokens, root),
+        parents=torch.where(valid, index - 1, -1),
+        depths=torch.where(valid, index, 0),
+        ranks=zeros,
         valid=valid,
         num_nodes=valid.sum(1),
         max_depth=max_depth,

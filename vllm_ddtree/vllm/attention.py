@@ -1,7 +1,7 @@
 """CPU attention with tree masks for the tree-verify requests of a batch (registered over CPU_ATTN).
 
 A batch is first run through vLLM's CPU kernel unchanged. When the runner attached a `TreeAttention`
-to the metadata (target forward of a step that verifies trees), the rows of the tree nodes are then
+to the metadata (target forward of a step that verifies branching trees), the rows of those trees' nodes are then
 recomputed by masked SDPA over the request's K/V read back from the paged cache, and overwrite the
 kernel's (causal, hence wrong) rows: node i attends to the whole committed prefix plus its ancestors and
 itself. Everything else, including prefills, plain decodes and the DFlash draft's non-causal pass
@@ -10,7 +10,7 @@ itself. Everything else, including prefills, plain decodes and the DFlash draft'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -23,32 +23,25 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.vllm.paged_kv import RegionLayout, probe_layout, read_rows, row_index
+from vllm_ddtree.vllm.paged_kv import probe_layout, read_blocks
 
 
 @dataclass(frozen=True)
 class TreeAttention:
-    """Tree-verify rows of one batch; T requests, N = max nodes, L = max window (prefix + nodes).
+    """Tree-verify rows of one batch; T branching requests, N = max nodes, W blocks per window.
 
     query_rows [T, N]: batch row of node i (padded nodes repeat a valid row and are not written back);
-    kv_slots [T, L]: cache slot of window position p (p < prefix + nodes; padding points at slot 0);
+    block_ids [T, W]: the first W entries of the request's block table, covering prefix + nodes;
     bias [T, 1, N, L]: 0 where node i attends to position p, -inf elsewhere (never a whole row);
+    L is the longest window (prefix + nodes), at most W * block_size;
     valid [T, N]: real nodes, whose outputs are written back.
-    Built once per step and shared by all target layers, as are the cache indices derived from it.
+    Built once per step and shared by all target layers.
     """
 
     query_rows: torch.Tensor
-    kv_slots: torch.Tensor
+    block_ids: torch.Tensor
     bias: torch.Tensor
     valid: torch.Tensor
-    _indices: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def kv_index(self, layout: RegionLayout, num_kv_heads: int) -> torch.Tensor:
-        """`row_index` of the window positions, computed once per layout."""
-        key = (id(layout), num_kv_heads)
-        if key not in self._indices:
-            self._indices[key] = row_index(layout, self.kv_slots.flatten(), num_kv_heads)
-        return self._indices[key]
 
 
 @dataclass
@@ -100,11 +93,10 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
     def _tree_forward(
         self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttention, output: torch.Tensor
     ) -> None:
-        num_req, window = tree.kv_slots.shape
         layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-        keys, values = read_rows(kv_cache, tree.kv_index(layout, self.num_kv_heads))
-        keys = keys.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2)
-        values = values.view(num_req, window, self.num_kv_heads, -1).transpose(1, 2)
+        keys, values = read_blocks(kv_cache, tree.block_ids, layout)
+        window = tree.bias.shape[-1]
+        keys, values = keys[:, :, :window], values[:, :, :window]
         queries = query[tree.query_rows].transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             queries.float(), keys.float(), values.float(), attn_mask=tree.bias, scale=self.scale, enable_gqa=True

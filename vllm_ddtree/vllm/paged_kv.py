@@ -31,6 +31,25 @@ class RegionLayout:
     def block_size(self) -> int:
         return self.key_offsets.shape[0]
 
+    @functools.cached_property
+    def key_strides(self) -> tuple[int, int, int] | None:
+        return _affine(self.key_offsets)
+
+    @functools.cached_property
+    def value_strides(self) -> tuple[int, int, int] | None:
+        return _affine(self.value_offsets)
+
+
+def _affine(offsets: torch.Tensor) -> tuple[int, int, int] | None:
+    """(base, token stride, dim stride) if offsets[t, d] == base + t * token_stride + d * dim_stride
+    (a strided view reads it: "vec" ISAs keep keys dim-major, values token-major), else None."""
+    base = int(offsets[0, 0])
+    token_stride = int(offsets[1, 0]) - base if offsets.shape[0] > 1 else 0
+    dim_stride = int(offsets[0, 1]) - base if offsets.shape[1] > 1 else 0
+    t = torch.arange(offsets.shape[0]).unsqueeze(1)
+    d = torch.arange(offsets.shape[1]).unsqueeze(0)
+    return (base, token_stride, dim_stride) if torch.equal(offsets, base + t * token_stride + d * dim_stride) else None
+
 
 def _probe(isa: str, block_size: int, head_size: int, dtype: torch.dtype, probe_keys: bool) -> torch.Tensor:
     from vllm import _custom_ops as ops
@@ -86,6 +105,30 @@ def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor
     """(keys, values), each [S, num_kv_heads, head_size], at a `row_index`."""
     rows = kv_cache.view(-1)[index]
     return rows[0], rows[1]
+
+
+def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values), each [R, num_kv_heads, W * block_size, head_size]: the tokens of blocks
+    `block_ids` [R, W] in order, i.e. positions 0 .. W * block_size - 1 of each request's block table.
+    Whole regions are copied, then read through a strided view of the layout (or, for a layout that
+    is not affine, one selection by its offsets)."""
+    num_req, width = block_ids.shape
+    block_size, head_size = layout.key_offsets.shape
+    region = 2 * block_size * head_size
+    regions = kv_cache.index_select(0, block_ids.flatten()).view(num_req * width, -1, region)
+    num_kv_heads = regions.shape[1]
+
+    def tokens(offsets: torch.Tensor, strides: tuple[int, int, int] | None) -> torch.Tensor:
+        shape = (num_req * width, num_kv_heads, block_size, head_size)
+        if strides is None:
+            picked = regions.index_select(2, offsets.flatten()).view(shape)
+        else:
+            base, token_stride, dim_stride = strides
+            picked = regions.as_strided(shape, (num_kv_heads * region, region, token_stride, dim_stride), base)
+        picked = picked.unflatten(0, (num_req, width)).transpose(1, 2)
+        return picked.reshape(num_req, num_kv_heads, width * block_size, head_size)
+
+    return tokens(layout.key_offsets, layout.key_strides), tokens(layout.value_offsets, layout.value_strides)
 
 
 def move_rows(kv_cache: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:

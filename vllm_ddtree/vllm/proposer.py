@@ -17,10 +17,13 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.core import DraftTree, build_draft_trees
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
 class DDTreeProposer(DFlashProposer):
-    def __init__(self, vllm_config: Any, device: torch.device, runner: Any, ddtree: DDTreeConfig) -> None:
+    def __init__(
+        self, vllm_config: Any, device: torch.device, runner: Any, ddtree: DDTreeConfig, stage_times: StageTimes
+    ) -> None:
         super().__init__(vllm_config, device, runner)
         hf_config = self.draft_model_config.hf_config
         block_size = getattr(hf_config, "block_size", None)
@@ -29,6 +32,7 @@ class DDTreeProposer(DFlashProposer):
         if self.use_heterogeneous_vocab or getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
             raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
         self.ddtree = ddtree
+        self.stage_times = stage_times
         self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
@@ -44,20 +48,23 @@ class DDTreeProposer(DFlashProposer):
         depth = min(budget, self.max_depth)
         self._top = None
         self.last_trees = None
-        super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
+        with self.stage_times.stage(DRAFT_FORWARD):
+            super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         if budget == 0:
             return [[] for _ in range(next_token_ids.shape[0])]
         assert self._top is not None
-        top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
-        trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, budget)
-        self.last_trees = trees
-        sizes = (trees.num_nodes - 1).tolist()
-        return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
+        with self.stage_times.stage(TREE_BUILD):
+            top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
+            trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, budget)
+            self.last_trees = trees
+            sizes = (trees.num_nodes - 1).tolist()
+            return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
-        logprobs = self.model.compute_logits(hidden_states).float().log_softmax(dim=-1)
-        k = self.ddtree.candidates_per_depth(logprobs.shape[-1])
-        top = logprobs.topk(k, dim=-1)
+        logits = self.model.compute_logits(hidden_states)
+        with self.stage_times.stage(DRAFT_TOPK):
+            logprobs = logits.float().log_softmax(dim=-1)
+            top = logprobs.topk(self.ddtree.candidates_per_depth(logprobs.shape[-1]), dim=-1)
         self._top = (top.values, top.indices)
         return top.indices[:, 0], None

@@ -3,7 +3,8 @@
 One engine step, for the requests whose drafts are trees (all others run exactly as stock DFlash):
 1. `_prepare_inputs`: vLLM lays out each request's 1 + n rows with linear KV slots; we set node i's
    RoPE position to start + depth(i) and remember the batch's trees (`TreeVerifyBatch`).
-2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks.
+2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks of the
+   branching trees (a chain's mask is the causal one vLLM's kernel already applies).
 3. `_sample`: the target's token at every node (`sampling.sample_nodes`: argmax for greedy requests,
    the core's exact sampling rule otherwise), the core's acceptance walk, output in
    vLLM's "accepted drafts + bonus, padded -1" form (so EOS, stop tokens, max_tokens, detokenization
@@ -42,6 +43,14 @@ from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.sampling import sample_nodes, tree_sampling_params
+from vllm_ddtree.vllm.stage_times import (
+    ACCEPTANCE,
+    KV_COMPACTION,
+    STEP,
+    TARGET_FORWARD,
+    TREE_BUILD,
+    StageTimes,
+)
 from vllm_ddtree.vllm.verify import (
     ProposedTree,
     ScheduledTree,
@@ -56,7 +65,8 @@ class DDTreeModelRunner(CPUModelRunner):
         ddtree = DDTreeConfig.from_vllm_config(vllm_config)
         if ddtree is None:
             raise ValueError("DDTreeModelRunner needs additional_config['ddtree'] (set by method 'ddtree')")
-        self.drafter = DDTreeProposer(vllm_config, device, self, ddtree)
+        self.stage_times = StageTimes.from_env(device)
+        self.drafter = DDTreeProposer(vllm_config, device, self, ddtree, self.stage_times)
         self._proposed: dict[str, ProposedTree] = {}
         self._verify: TreeVerifyBatch | None = None
         self._node_slots: torch.Tensor | None = None
@@ -78,14 +88,35 @@ class DDTreeModelRunner(CPUModelRunner):
                 "method 'ddtree' needs the target and draft in one KV cache group (no hybrid or sliding-window models)"
             )
 
+    # ---- stage timing (benchmarks: VLLM_DDTREE_STAGE_TIMES=1) -------------------------------------
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage_times.stage(STEP):
+            return super().execute_model(*args, **kwargs)
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage_times.stage(STEP):
+            output = super().sample_tokens(*args, **kwargs)
+        self.stage_times.end_step()
+        return output
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage_times.stage(TARGET_FORWARD):
+            return super()._model_forward(*args, **kwargs)
+
     # ---- 1. verify inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        with self.stage_times.stage(TREE_BUILD):
+            self._prepare_tree_inputs(scheduler_output)
+        return result
+
+    def _prepare_tree_inputs(self, scheduler_output: Any) -> None:
+        """Trees of this step's verify requests (`TreeVerifyBatch`), their RoPE positions and KV slots."""
         proposed, self._proposed = self._proposed, {}
         self._verify = self._node_slots = self._verified = None
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
-            return result
+            return
         first_rows = self.query_start_loc.np
         trees = []
         for req_id, draft_token_ids in scheduled.items():
@@ -107,7 +138,6 @@ class DDTreeModelRunner(CPUModelRunner):
         self.positions[rows] = positions
         self._node_slots = self._slot_mapping()[verify.node_rows()]
         self._verify = verify
-        return result
 
     def _slot_mapping(self) -> torch.Tensor:
         """This step's per-row KV slots (computed by vLLM's `_prepare_inputs`; one KV cache group)."""
@@ -116,7 +146,9 @@ class DDTreeModelRunner(CPUModelRunner):
     # ---- 2. tree masks for the target's attention ------------------------------------------------
     def _build_attention_metadata(self, *args: Any, **kwargs: Any):
         attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
-        if self._verify is not None:
+        if self._verify is None:
+            return attn_metadata, spec_metadata
+        with self.stage_times.stage(TREE_BUILD):
             block_table = self.input_batch.block_table[0]
             tree = self._verify.attention(block_table.get_cpu_tensor(), block_table.block_size)
             for metadata in attn_metadata.values():
@@ -126,6 +158,10 @@ class DDTreeModelRunner(CPUModelRunner):
 
     # ---- 3. tree walk + KV compaction ------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
+        with self.stage_times.stage(ACCEPTANCE):
+            return self._sample_trees(logits, spec_decode_metadata)
+
+    def _sample_trees(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
         """Rows without a tree (prefills, requests without drafts) keep vLLM's sampler, which also
         draws (and discards) a token for every tree request; tree nodes are sampled by the core's rule.
 
@@ -153,8 +189,9 @@ class DDTreeModelRunner(CPUModelRunner):
         output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
         output[verify.req_indices] = -1
         output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
-        plan = kv_compaction_plan(acceptance)
-        self._compact_target_kv(plan)
+        with self.stage_times.stage(KV_COMPACTION):
+            plan = kv_compaction_plan(acceptance)
+            self._compact_target_kv(plan)
         self._verified = VerifiedStep(verify, acceptance, plan)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
 
@@ -225,7 +262,8 @@ class DDTreeModelRunner(CPUModelRunner):
         verified, self._verified = self._verified, None
         if verified is not None:
             assert aux_hidden_states is not None
-            aux_hidden_states = self._path_first(verified.batch, verified.plan, aux_hidden_states)
+            with self.stage_times.stage(KV_COMPACTION):
+                aux_hidden_states = self._path_first(verified.batch, verified.plan, aux_hidden_states)
         drafts = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
@@ -239,7 +277,8 @@ class DDTreeModelRunner(CPUModelRunner):
         )
         trees = self.drafter.last_trees
         if trees is not None:
-            self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
+            with self.stage_times.stage(TREE_BUILD):
+                self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
         return drafts
 
     def _path_first(

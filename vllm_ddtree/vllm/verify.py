@@ -123,23 +123,35 @@ class TreeVerifyBatch:
         positions = self.starts.unsqueeze(1) + offsets
         return self.node_rows()[self.tree.valid], positions.expand_as(self.tree.valid)[self.tree.valid]
 
-    def attention(self, block_table: torch.Tensor, block_size: int) -> TreeAttention:
-        """What the tree-aware attention needs; block_table [num_reqs, W] maps a request's positions to
-        cache blocks (slot = block * block_size + position % block_size, as vLLM computes it)."""
-        num_req, num_nodes = self.tree.token_ids.shape
-        window_len = self.starts + self.tree.num_nodes
-        pos = torch.arange(int(window_len.max())).unsqueeze(0)
-        in_window = pos < window_len.unsqueeze(1)
-        blocks = block_table[self.req_indices.unsqueeze(1), (pos // block_size).expand(num_req, -1)].long()
-        kv_slots = torch.where(in_window, blocks * block_size + pos % block_size, 0)
+    def branching(self) -> torch.Tensor:
+        """[T] bool: the request's tree is not a chain (some node's parent is not the node before it).
+        A chain's tree mask is the causal mask, so vLLM's own attention is already exact for it."""
+        previous = torch.arange(-1, self.tree.nodes_per_request - 1).unsqueeze(0)
+        return ((self.tree.parents != previous) & self.tree.valid).any(1)
 
-        column = pos - self.starts.unsqueeze(1)  # tree node index of a window position, < 0 in the prefix
+    def attention(self, block_table: torch.Tensor, block_size: int) -> TreeAttention | None:
+        """What the tree-aware attention needs for the branching requests (None when every tree is a
+        chain); block_table [num_reqs, max blocks] maps a request's positions to cache blocks
+        (position p lives in block block_table[p // block_size], row p % block_size)."""
+        branching = self.branching()
+        if not bool(branching.any()):
+            return None
+        starts, tree = self.starts[branching], self.tree
+        valid, num_nodes, ancestor_mask = tree.valid[branching], tree.num_nodes[branching], self.ancestor_mask[branching]
+        num_req, width = valid.shape
+        window_len = starts + num_nodes
+        longest = int(window_len.max())
+        block_ids = block_table[self.req_indices[branching]][:, : -(-longest // block_size)].long()
+        pos = torch.arange(longest).unsqueeze(0)
+        in_window = pos < window_len.unsqueeze(1)
+
+        column = pos - starts.unsqueeze(1)  # tree node index of a window position, < 0 in the prefix
         in_tree = (column >= 0) & in_window
-        ancestors = self.ancestor_mask.gather(2, column.clamp(0, num_nodes - 1).unsqueeze(1).expand(-1, num_nodes, -1))
+        ancestors = ancestor_mask.gather(2, column.clamp(0, width - 1).unsqueeze(1).expand(-1, width, -1))
         mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
-        mask = torch.where(self.tree.valid.unsqueeze(2), mask, mask[:, :1])
+        mask = torch.where(valid.unsqueeze(2), mask, mask[:, :1])
         bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return TreeAttention(query_rows=self.node_rows(), kv_slots=kv_slots, bias=bias, valid=self.tree.valid)
+        return TreeAttention(query_rows=self.node_rows()[branching], block_ids=block_ids, bias=bias, valid=valid)
 
 
 @dataclass(frozen=True)
