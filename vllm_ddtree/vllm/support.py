@@ -3,16 +3,25 @@
 The tree walk compares the target's token at every node with the node's children. Options that change
 the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
 bias, bad words, grammars) would need each node's own history, which the flat batch does not give them;
-logprobs would need the accepted rows gathered. Temperature, top_k, top_p, min_p and seeds are
-supported (the target's distribution at a node depends on the node's logits only).
+logprobs would need the accepted rows gathered. Temperature, top_k, top_p, seeds, n > 1 (each
+sample is its own request), stop strings and stop token ids are supported (the target's distribution at
+a node depends on the node's logits only; stops act on committed tokens). vLLM 0.32 itself refuses
+min_p and logit_bias under any speculative method.
 Such requests are refused at admission (`check_request`, called from vLLM's request validation: the
-caller gets a clear error, HTTP 400 when serving, and the engine keeps running), never served with the
-options ignored.
+caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and the engine
+keeps serving the other requests), never served with the options ignored.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from vllm.exceptions import VLLMValidationError
+
+
+class UnsupportedRequestError(VLLMValidationError, ValueError):
+    """A request option method 'ddtree' cannot honour: vLLM's request-validation error (HTTP 400 when
+    serving) that is also a ValueError (what an offline caller expects of invalid parameters)."""
 
 
 def unsupported_options(params: Any) -> list[str]:
@@ -35,12 +44,11 @@ def unsupported_options(params: Any) -> list[str]:
 
 
 def check_request(params: Any) -> None:
-    """Raise vLLM's request-validation error if a SamplingParams uses unsupported options."""
-    from vllm.exceptions import VLLMValidationError
-
+    """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support."""
     found = unsupported_options(params)
     if found:
-        raise VLLMValidationError(
+        raise UnsupportedRequestError(
             f"method 'ddtree' does not support {', '.join(found)}; "
-            "use method 'dflash' or plain decoding for such requests"
+            "use method 'dflash' or plain decoding for such requests",
+            parameter=found[0],
         )
