@@ -47,7 +47,8 @@ MAX_MODEL_LEN = 1024
 
 @dataclass(frozen=True)
 class BenchVariant:
-    """One engine: `kind` is "none", "chain" or "ddtree"; `temperatures` are the ones it is timed at."""
+    """One engine: `kind` is "none", "chain", "width1", "ddtree" or "adaptive"; `temperatures` are the
+    ones it is timed at."""
 
     name: str
     kind: str
@@ -117,7 +118,8 @@ def select_pair(num_prompts: int) -> tuple[str, str, list[str]]:
 
 def build_variants(draft: str, budgets: list[int], temperatures: list[float]) -> list[BenchVariant]:
     """No speculation; vLLM's DFlash chain (T=0 only); DDTree of width 1 (top-1 at every depth, budget
-    block_size - 1: the chain's shape under our exact sampler, the chain baseline at T>0); DDTree budgets."""
+    block_size - 1: the chain's shape under our exact sampler, the chain baseline at T>0); DDTree budgets;
+    DDTree with the adaptive budget capped at the largest budget."""
     with open(os.path.join(draft, "config.json")) as f:
         chain_length = json.load(f)["block_size"] - 1
     all_t = tuple(temperatures)
@@ -131,6 +133,9 @@ def build_variants(draft: str, budgets: list[int], temperatures: list[float]) ->
     for b in budgets:
         config = {"method": "ddtree", "model": draft, "num_speculative_tokens": b}
         variants.append(BenchVariant(f"ddtree budget {b}", "ddtree", b, config, all_t))
+    cap = max(budgets)
+    config = {"method": "ddtree", "model": draft, "num_speculative_tokens": cap, "ddtree_adaptive": True}
+    variants.append(BenchVariant(f"ddtree adaptive <={cap}", "adaptive", cap, config, all_t))
     return variants
 
 
@@ -248,6 +253,33 @@ def greedy_mismatches(results: list[Measurement]) -> list[dict[str, Any]]:
     return mismatches
 
 
+def target_checks(results: list[Measurement]) -> list[str]:
+    """The issue's targets, one line each, for every (batch, T) cell that has the variants involved."""
+    lines = []
+    for batch, temperature in sorted({(m.batch, m.temperature) for m in results}):
+        cell = [m for m in results if (m.batch, m.temperature) == (batch, temperature)]
+        tag = f"batch {batch:>2} T={temperature:g}:"
+        fixed = [m for m in cell if m.kind == "ddtree"]
+        chain = next((m for m in cell if m.kind == "chain"), None)
+        width1 = next((m for m in cell if m.kind == "width1"), None)
+        adaptive = next((m for m in cell if m.kind == "adaptive"), None)
+        if chain is not None and width1 is not None and chain is not width1:
+            lines.append(
+                f"{tag} width-1 step time / chain step time = "
+                f"{(chain.tokens_per_second / chain.tokens_per_step) / (width1.tokens_per_second / width1.tokens_per_step):.3f}"
+                f" (tokens/step {width1.tokens_per_step:.3f} vs {chain.tokens_per_step:.3f})"
+            )
+        if fixed:
+            best = max(fixed, key=lambda m: m.tokens_per_second)
+            lines.append(f"{tag} best fixed budget {best.budget}: {fmt_speedup(best.speedup_vs_chain)} the chain's tokens/s")
+            if adaptive is not None:
+                lines.append(f"{tag} adaptive / best fixed tokens/s = {adaptive.tokens_per_second / best.tokens_per_second:.3f}")
+        for m in fixed:
+            if m.stage_ms_per_step:
+                lines.append(f"{tag} budget {m.budget}: DDTree overhead {100 * overhead_fraction(m.stage_ms_per_step):.1f}% of step time")
+    return lines
+
+
 def fmt_speedup(value: float | None) -> str:
     return f"{value:.2f}x" if value is not None else "-"
 
@@ -304,7 +336,8 @@ def plot_stages(results: list[Measurement], path: str) -> None:
         heights = [m.stage_ms_per_step[name] for m in staged]
         ax.bar(range(len(staged)), heights, bottom=bottoms, color=f"C{i}", label=name)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    labels = [f"{'w1' if m.kind == 'width1' else m.budget} b{m.batch} T{m.temperature:g}" for m in staged]
+    short = {"width1": "w1", "adaptive": "auto"}
+    labels = [f"{short.get(m.kind, m.budget)} b{m.batch} T{m.temperature:g}" for m in staged]
     ax.set_xticks(range(len(staged)), labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("ms per engine step")
     ax.set_title("DDTree step time by stage (budget, batch, temperature)")
@@ -329,7 +362,7 @@ def plot(results: list[Measurement], metric: str, ylabel: str, path: str) -> Non
         tree = sorted((m for m in cell if m.kind == "ddtree"), key=lambda m: m.budget or 0)
         if tree:
             ax.plot([m.budget for m in tree], [getattr(m, metric) for m in tree], "o-", color=color, label=f"ddtree, batch {batch}, T={temperature:g}")
-        for kind, style in (("chain", "--"), ("none", ":")):
+        for kind, style in (("chain", "--"), ("none", ":"), ("adaptive", "-.")):
             ref = next((m for m in cell if m.kind == kind), None)
             if ref is not None:
                 ax.axhline(getattr(ref, metric), linestyle=style, color=color, alpha=0.7, label=f"{ref.variant}, batch {batch}, T={temperature:g}")
@@ -384,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     mismatches = greedy_mismatches(results)
     print("\n" + format_table(results))
     print("\n" + format_stage_table(results))
+    checks = target_checks(results)
+    print("\n" + "\n".join(checks))
     if mismatches:
         print(f"\nMISMATCH: greedy output differs from no speculation: {mismatches}", file=sys.stderr)
     elif any(m.temperature == 0 for m in results):
@@ -395,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "pair": {"target": target, "draft": draft},
         "measurements": [{k: v for k, v in asdict(m).items() if k != "token_ids"} for m in results],
         "greedy_mismatches": mismatches,
+        "target_checks": checks,
         "errors": errors,
     }
     for path in write_outputs(args.out, report, results):

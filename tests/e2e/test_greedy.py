@@ -76,3 +76,14 @@ def test_trained_pair_tree_beats_its_chain(engine_runs):
     tree = engine_runs("trained", ("ddtree", 32))
     assert chain.tokens_per_step > 2.0
     assert tree.tokens_per_step > 1.15 * chain.tokens_per_step
+
+
+@pytest.mark.parametrize("pair", ["focused", "trained"])
+def test_adaptive_budget_is_lossless_and_cuts_trees(engine_runs, pair):
+    """ddtree_adaptive: each step verifies a prefix of every tree (sometimes none of it); output unchanged."""
+    plain = engine_runs(pair, None)
+    run = engine_runs(pair, ("ddtree", 32, {"ddtree_adaptive": True}))
+    assert run.token_ids == plain.token_ids
+    verified = [n - 1 for step in run.steps for n in step.batch.tree.num_nodes.tolist()]
+    assert min(verified) < 32 and max(verified) > 0
+    assert run.tokens_per_step > 1.2

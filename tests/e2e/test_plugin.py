@@ -97,6 +97,7 @@ def test_all_patches_are_declared_and_applied():
         ({"draft_sample_method": "probabilistic"}, r"\['draft_sample_method'\] are not supported with method 'ddtree'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens \\(the tree budget\\) >= 1"),
         ({"ddtree_topk": 0}, "ddtree_topk must be an integer >= 1"),
+        ({"ddtree_adaptive": "yes"}, "ddtree_adaptive must be true or false"),
     ],
 )
 def test_bad_ddtree_config_fails_before_engine_start(pair_dirs, extra, message):

@@ -1,14 +1,17 @@
-"""Engine-agnostic DDTree core: tree build, masks, acceptance walk, sampling rule, KV-compaction plan.
+"""Engine-agnostic DDTree core: tree build, masks, acceptance walk, sampling rule, KV-compaction plan,
+adaptive budget.
 
 Imports torch only, never vLLM; every function is batched over the requests of a step.
 """
 
 from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
+from vllm_ddtree.core.budget import AdaptiveBudget, path_probabilities
 from vllm_ddtree.core.kv_plan import KVCompactionPlan, compact_rows_, kv_compaction_plan
 from vllm_ddtree.core.sampling import TreeSamplingParams, process_logits, sample_tree_tokens
 from vllm_ddtree.core.tree import DraftTree, build_draft_trees, tree_attention_mask
 
 __all__ = [
+    "AdaptiveBudget",
     "DraftTree",
     "KVCompactionPlan",
     "TreeAcceptance",
@@ -18,6 +21,7 @@ __all__ = [
     "compact_rows_",
     "kv_compaction_plan",
     "max_path_length",
+    "path_probabilities",
     "process_logits",
     "sample_tree_tokens",
     "tree_attention_mask",

@@ -11,6 +11,10 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
   draft runs that many mask positions.
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
+- `ddtree_adaptive` (optional, default false): B becomes a cap; each step verifies only the nodes worth
+  their cost across the batch, from the draft's path probabilities and measured step times
+  (`vllm_ddtree.core.budget`), down to plain decoding when speculation does not pay. Requests with a
+  `seed` always verify the full tree (their output must not depend on timing).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 
@@ -46,7 +50,7 @@ ADDITIONAL_CONFIG_KEY = "ddtree"
 _PASSTHROUGH_KEYS = frozenset(
     {"model", "num_speculative_tokens", "enforce_eager", "max_model_len", "revision", "code_revision", "quantization"}
 )
-_DDTREE_KEYS = frozenset({"ddtree_topk"})
+_DDTREE_KEYS = frozenset({"ddtree_topk", "ddtree_adaptive"})
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 _USE_A_MATCHING_DRAFT = "point 'model' at the DFlash draft trained for this target"
 
@@ -57,10 +61,12 @@ class DDTreeConfig:
 
     budget: draft nodes verified per step (root excluded), in 1..MAX_BUDGET.
     topk: cap on candidates per draft position, >= 1; None means no cap beyond the budget.
+    adaptive: budget is a cap; each step's node counts come from `core.budget.AdaptiveBudget`.
     """
 
     budget: int
     topk: int | None = None
+    adaptive: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or not 1 <= self.budget <= MAX_BUDGET:
@@ -70,6 +76,8 @@ class DDTreeConfig:
             )
         if self.topk is not None and (not isinstance(self.topk, int) or isinstance(self.topk, bool) or self.topk < 1):
             raise ValueError(f"ddtree_topk must be an integer >= 1, got {self.topk!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"ddtree_adaptive must be true or false, got {self.adaptive!r}")
 
     def candidates_per_depth(self, vocab_size: int) -> int:
         """K: how many draft candidates per position the tree builder sees."""
@@ -121,7 +129,9 @@ def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, An
             "method 'ddtree' needs 'model': the DFlash draft checkpoint (path or hub id) trained for the target; "
             "add it to speculative_config (or pass --spec-model)"
         )
-    ddtree = DDTreeConfig(budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"))
+    ddtree = DDTreeConfig(
+        budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"), adaptive=spec.get("ddtree_adaptive", False)
+    )
     dflash = {key: value for key, value in spec.items() if key in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"
     return ddtree, dflash

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import DraftTree, build_draft_trees
+from vllm_ddtree.core import AdaptiveBudget, DraftTree, build_draft_trees, path_probabilities
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -32,22 +32,26 @@ class DDTreeProposer(DFlashProposer):
         if self.use_heterogeneous_vocab or getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
             raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
         self.ddtree = ddtree
+        self._runner = runner
         self.stage_times = stage_times
         self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
+        self.budget_policy = AdaptiveBudget() if ddtree.adaptive else None
+        self.last_path_probabilities: torch.Tensor | None = None
 
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
 
         num_speculative_tokens is the step's tree budget; next_token_ids [R] are the roots (each
         request's last committed token); the other arguments are DFlashProposer.propose's.
-        `last_trees` keeps the trees built.
+        `last_trees` keeps the trees built (at the full budget); with the adaptive budget each request
+        returns a prefix of its tree, and `last_path_probabilities` keeps the nodes' path probabilities.
         """
         budget = num_speculative_tokens
         depth = min(budget, self.max_depth)
         self._top = None
-        self.last_trees = None
+        self.last_trees = self.last_path_probabilities = None
         with self.stage_times.stage(DRAFT_FORWARD):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         if budget == 0:
@@ -57,8 +61,21 @@ class DDTreeProposer(DFlashProposer):
             top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
             trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, budget)
             self.last_trees = trees
-            sizes = (trees.num_nodes - 1).tolist()
-            return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
+            sizes = trees.num_nodes - 1
+            if self.budget_policy is not None:
+                sizes = self._adaptive_sizes(trees, top_logprobs, sizes)
+            return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes.tolist())]
+
+    def _adaptive_sizes(self, trees: DraftTree, top_logprobs: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The policy's node count per request; seeded requests keep their full tree (the random draws a
+        seeded request consumes depend on its tree, which must not depend on measured timings)."""
+        assert self.budget_policy is not None
+        probabilities = path_probabilities(trees, top_logprobs)
+        self.last_path_probabilities = probabilities
+        chosen = self.budget_policy.choose(probabilities)
+        generators = self._runner.input_batch.generators
+        seeded = torch.tensor([i in generators for i in range(full.shape[0])], dtype=torch.bool)
+        return torch.where(seeded, full, chosen)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""

@@ -17,6 +17,7 @@ One engine step, for the requests whose drafts are trees (all others run exactly
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -71,6 +72,8 @@ class DDTreeModelRunner(CPUModelRunner):
         self._verify: TreeVerifyBatch | None = None
         self._node_slots: torch.Tensor | None = None
         self._verified: VerifiedStep | None = None
+        self._predicted_accepted = 0.0  # adaptive budget: this step's sum of verified path probabilities
+        self._step_clock: list[float] | None = None  # adaptive budget: [requests, extra rows, start, busy s]
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -89,15 +92,32 @@ class DDTreeModelRunner(CPUModelRunner):
             )
 
     # ---- stage timing (benchmarks: VLLM_DDTREE_STAGE_TIMES=1) -------------------------------------
-    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.drafter.budget_policy is not None:
+            self._clock_step(scheduler_output)
         with self.stage_times.stage(STEP):
-            return super().execute_model(*args, **kwargs)
+            return super().execute_model(scheduler_output, *args, **kwargs)
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage_times.stage(STEP):
             output = super().sample_tokens(*args, **kwargs)
         self.stage_times.end_step()
+        if self._step_clock is not None:
+            self._step_clock[3] = time.perf_counter() - self._step_clock[2]
         return output
+
+    # ---- adaptive budget: step cost observations --------------------------------------------------
+    def _clock_step(self, scheduler_output: Any) -> None:
+        """Feed the previous step's cost (start to this start: the runner's work plus the engine's
+        per-step overhead) to the budget policy, unless the engine sat idle in between; start timing
+        this one."""
+        now = time.perf_counter()
+        last = self._step_clock
+        if last is not None and last[3] >= 0 and now - last[2] < 2 * last[3] + 0.02:
+            self.drafter.budget_policy.cost.observe(int(last[0]), int(last[1]), now - last[2])
+        num_reqs = len(scheduler_output.num_scheduled_tokens)
+        extra_rows = scheduler_output.total_num_scheduled_tokens - num_reqs
+        self._step_clock = [num_reqs, extra_rows, now, -1.0] if num_reqs else None
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage_times.stage(TARGET_FORWARD):
@@ -114,6 +134,7 @@ class DDTreeModelRunner(CPUModelRunner):
         """Trees of this step's verify requests (`TreeVerifyBatch`), their RoPE positions and KV slots."""
         proposed, self._proposed = self._proposed, {}
         self._verify = self._node_slots = self._verified = None
+        self._predicted_accepted = 0.0
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return
@@ -133,6 +154,7 @@ class DDTreeModelRunner(CPUModelRunner):
                 )
             )
         trees.sort(key=lambda t: t.req_index)
+        self._predicted_accepted = sum(t.predicted_accepted() for t in trees)
         verify = TreeVerifyBatch.build(trees)
         rows, positions = verify.node_positions()
         self.positions[rows] = positions
@@ -184,6 +206,9 @@ class DDTreeModelRunner(CPUModelRunner):
         target = sample_nodes(node_logits, verify.tree.num_nodes, params)
         get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
+        if self.drafter.budget_policy is not None and self._predicted_accepted > 0:
+            accepted = float((acceptance.num_accepted - 1).sum())
+            self.drafter.budget_policy.calibration.observe(self._predicted_accepted, accepted)
 
         output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
         output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
@@ -278,7 +303,8 @@ class DDTreeModelRunner(CPUModelRunner):
         trees = self.drafter.last_trees
         if trees is not None:
             with self.stage_times.stage(TREE_BUILD):
-                self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
+                unbatched = ProposedTree.unbatch(trees, self.drafter.last_path_probabilities)
+                self._proposed = dict(zip(self.input_batch.req_ids, unbatched))
         return drafts
 
     def _path_first(
