@@ -4,8 +4,9 @@ One ddtree engine and one plain engine on the trained pair (it has a tokenizer: 
 strings, bad words and JSON schemas need one) serve the same script, `_serve`:
 
 1. plain greedy requests are admitted and run a few engine steps; while they are in flight, one
-   request per unsupported option is offered (ddtree only) and each is refused on its own; one more
-   plain request is admitted after the refusals; everything runs to completion;
+   request per unsupported option, an empty prompt and one over max_model_len are offered (ddtree
+   only) and each is refused on its own; one more plain request is admitted after the refusals;
+   everything runs to completion;
 2. one `generate` batch of supported features: stop strings, n > 1 (near-greedy and sampled, seeded).
 
 The greedy outputs of both parts must equal the plain engine's. (Seeds across batch compositions and
@@ -34,9 +35,10 @@ SAMPLES = 3  # n of the n > 1 requests
 TOKEN_BUDGET = 512
 
 
-def _unsupported() -> dict[str, tuple[dict, str]]:
-    """option -> (SamplingParams keywords, the refusal's message). min_p and logit_bias are refused by
-    vLLM 0.32 itself under any speculative method; greedy n > 1 by vLLM whatever the method."""
+def _unsupported() -> dict[str, tuple[dict, str, dict | None]]:
+    """option -> (SamplingParams keywords, the refusal's message, the prompt if not the usual one).
+    vLLM 0.32 itself refuses logit_bias (and min_p) under any speculative method, and empty prompts and
+    prompts over max_model_len (and greedy n > 1) whatever the method."""
     from vllm.sampling_params import StructuredOutputsParams
 
     ours = "method 'ddtree' does not support {}; use method 'dflash' or plain decoding for such requests"
@@ -52,8 +54,12 @@ def _unsupported() -> dict[str, tuple[dict, str]]:
         "bad_words": {"bad_words": ["return"]},
         "structured outputs": {"structured_outputs": StructuredOutputsParams(json=schema)},
     }
-    cases = {name: (kw, ours.format(name)) for name, kw in options.items()}
-    cases["logit_bias"] = ({"logit_bias": {5: 3.0}}, "min_p and logit_bias sampling parameters are not yet supported with speculative decoding")
+    cases = {name: (kw, ours.format(name), None) for name, kw in options.items()}
+    cases["logit_bias"] = ({"logit_bias": {5: 3.0}}, "min_p and logit_bias sampling parameters are not yet supported with speculative decoding", None)
+    cases["empty prompt"] = ({}, "The decoder prompt cannot be empty", {"prompt_token_ids": []})
+    cases["prompt over max_model_len"] = (
+        {}, f"maximum context length is {MAX_MODEL_LEN} tokens", {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 1)}
+    )
     return cases
 
 
@@ -77,9 +83,9 @@ def _serve(llm, texts: list[str], ddtree: bool) -> dict:
         engine.step()
     refusals = {}
     in_flight_at_refusal = engine.has_unfinished_requests()
-    for name, (kw, _) in (_unsupported().items() if ddtree else ()):
+    for name, (kw, _, prompt) in (_unsupported().items() if ddtree else ()):
         try:
-            engine.add_request(f"bad-{name}", texts[4], _greedy(**kw))
+            engine.add_request(f"bad-{name}", prompt or texts[4], _greedy(**kw))
             refusals[name] = None
         except Exception as error:  # noqa: BLE001 - the test inspects what was raised
             refusals[name] = error
@@ -141,7 +147,7 @@ def test_unsupported_option_refused_for_that_request_only(served, option):
     assert served["ddtree"]["in_flight_at_refusal"]
     assert isinstance(error, VLLMValidationError), f"{option}: {error!r}"  # HTTP 400 when serving
     assert _unsupported()[option][1] in str(error)
-    if option != "logit_bias":  # ours; vLLM's own refusal is a VLLMValidationError only
+    if _unsupported()[option][1].startswith("method 'ddtree'"):  # ours; vLLM's own are VLLMValidationError only
         assert isinstance(error, ValueError)
 
 
