@@ -43,16 +43,17 @@ def reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     return out / out.sum()
 
 
-def draw_counts(logits: torch.Tensor, config, generator=None) -> np.ndarray:
+def draw_counts(logits: torch.Tensor, config, seed: int | None = None) -> np.ndarray:
+    """DRAWS draws at distinct positions (seeded: one keyed noise vector per position)."""
     temperature, top_k, top_p, min_p = config
     params = TreeSamplingParams(
         temperature=torch.tensor([temperature]),
         top_k=torch.tensor([top_k]),
         top_p=torch.tensor([top_p]),
         min_p=torch.tensor([min_p]),
-        generators={0: generator} if generator is not None else {},
+        seeds={0: seed} if seed is not None else {},
     )
-    tokens = sample_tree_tokens(logits.expand(1, DRAWS, VOCAB), params)
+    tokens = sample_tree_tokens(logits.expand(1, DRAWS, VOCAB), params, torch.arange(DRAWS).unsqueeze(0))
     return np.bincount(tokens.flatten().numpy(), minlength=VOCAB)
 
 
@@ -66,8 +67,9 @@ def test_sampler_matches_processed_distribution():
     gen = torch.Generator().manual_seed(1234)
     for config in CONFIGS:
         logits = torch.randn(VOCAB, generator=gen) * 1.5
-        counts = draw_counts(logits, config, torch.Generator().manual_seed(7))
-        assert chi_square_pvalue(counts, reference_probs(logits.numpy(), *config)) > 1e-4, config
+        for seed in (None, 7):
+            counts = draw_counts(logits, config, seed)
+            assert chi_square_pvalue(counts, reference_probs(logits.numpy(), *config)) > 1e-4, (config, seed)
 
 
 def test_chi_square_check_has_power_against_a_small_bias():
@@ -92,13 +94,11 @@ def test_greedy_rows_take_the_argmax_and_mix_with_sampled_rows():
 
 def test_same_seed_same_tokens_whatever_the_batch():
     logits = torch.randn(4, 9, VOCAB, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9).unsqueeze(0) + torch.tensor([[30], [40], [50], [60]])
 
     def run(rows, seeds):
-        params = TreeSamplingParams(
-            temperature=torch.ones(len(rows)),
-            generators={i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds) if s is not None},
-        )
-        return sample_tree_tokens(logits[rows], params)
+        params = TreeSamplingParams(temperature=torch.ones(len(rows)), seeds={i: s for i, s in enumerate(seeds) if s is not None})
+        return sample_tree_tokens(logits[rows], params, positions[rows])
 
     alone = run([2], [42])
     in_batch = run([0, 2, 3], [None, 42, 7])
@@ -106,15 +106,30 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert torch.equal(alone[0], in_batch[1]) and torch.equal(alone[0], reordered[2])
 
 
+def test_seeded_draws_depend_on_position_only_not_on_tree_shape_or_size():
+    """Nodes drawing the same position with the same logits get the same token, however many nodes the
+    tree has, where they sit, and how the batch is padded."""
+    gen = torch.Generator().manual_seed(3)
+    row_logits = torch.randn(4, VOCAB, generator=gen)  # logits for positions 10..13
+    depths = torch.tensor([0, 1, 1, 2, 3, 2, 1, 3])  # a bushy tree: several nodes per position
+    big = sample_tree_tokens(
+        row_logits[depths].unsqueeze(0), TreeSamplingParams(temperature=torch.ones(1), seeds={0: 5}), (10 + depths).unsqueeze(0)
+    )
+    chain = sample_tree_tokens(
+        row_logits.unsqueeze(0), TreeSamplingParams(temperature=torch.ones(1), seeds={0: 5}), (10 + torch.arange(4)).unsqueeze(0)
+    )
+    assert torch.equal(big[0], chain[0][depths])
+    other_seed = [
+        sample_tree_tokens(row_logits.unsqueeze(0), TreeSamplingParams(temperature=torch.ones(1), seeds={0: s}), (10 + torch.arange(4)).unsqueeze(0))
+        for s in range(6, 12)
+    ]
+    assert any(not torch.equal(o, chain) for o in other_seed)
+
+
 def test_requests_in_a_batch_do_not_share_randomness():
     logits = torch.zeros(2, 200, VOCAB)  # identical uniform rows
+    positions = torch.arange(200).expand(2, 200)
     unseeded = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(2)))
     assert not torch.equal(unseeded[0], unseeded[1])
-    seeded = sample_tree_tokens(
-        logits,
-        TreeSamplingParams(
-            temperature=torch.ones(2),
-            generators={0: torch.Generator().manual_seed(1), 1: torch.Generator().manual_seed(2)},
-        ),
-    )
+    seeded = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(2), seeds={0: 1, 1: 2}), positions)
     assert not torch.equal(seeded[0], seeded[1])

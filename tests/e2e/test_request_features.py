@@ -181,12 +181,10 @@ def test_n_above_one_serves_each_sample(served):
     assert served["ddtree"]["samples_again"] == sampled
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="known gap: a seeded request's draws depend on its tree, which the token budget can cut")
 def test_seeded_sample_independent_of_batch_when_token_budget_cuts_trees(pair_dirs):
-    """Plain vLLM: same seed, same sample whatever the batch. Under ddtree a seeded request draws once
-    per node of its tree; when max_num_batched_tokens cannot hold every running request's BUDGET + 1
-    tokens, the scheduler truncates trees, so the draws, and the sample, depend on the batch (each
-    still an exact sample of the target). Remove the xfail once the draws stop depending on the tree."""
+    """Same seed, same sample whatever the batch, also when max_num_batched_tokens cannot hold every
+    running request's BUDGET + 1 tokens and the scheduler cuts trees: a seeded request's draws are keyed
+    by position, not by its tree."""
     from vllm import LLM, SamplingParams
 
     from vllm_ddtree.demo import heldout_prompts

@@ -7,9 +7,12 @@ logits for greedy requests. The walk descends iff the draw is a child. Each emit
 plain target sample given the emitted prefix. Never apply min(1, p/q) to top-k (non-sampled) draft
 tokens: that rule is biased.
 
-Randomness: requests with a generator draw only from it (same seed and tree shape -> same tokens,
-whatever else is in the batch); the others draw from the default generator. Draws use the exponential
-race argmax(p / E), E ~ Exp(1) i.i.d., which picks i with probability p_i.
+Randomness: draws use the exponential race argmax(p / E), E ~ Exp(1) i.i.d. over the vocabulary, which
+picks i with probability p_i. Seeded requests key E by (seed, position of the token drawn): every node
+sampling position p uses the same E_p. Along the path the walk follows each position is drawn once, and
+whether a position is reached depends only on earlier positions' E, so the emitted tokens are a plain
+target sample, and the same one whatever the tree's shape or size and whatever else is in the batch
+(same seed, same prompt -> same output). Unseeded requests draw from the default generator.
 """
 
 from __future__ import annotations
@@ -27,14 +30,14 @@ class TreeSamplingParams:
     """Per-request sampling parameters, [R] each; None means the filter is off for every request.
 
     temperature < GREEDY_EPS means greedy. top_k <= 0 or >= vocab, top_p >= 1 and min_p <= 0 switch a
-    filter off for that request. generators maps a request index to its own torch.Generator.
+    filter off for that request. seeds maps a request index to its seed (position-keyed draws).
     """
 
     temperature: torch.Tensor
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    seeds: dict[int, int] = field(default_factory=dict)
     all_greedy: bool | None = None
     """Set by callers that know it on the host; None computes it (a device sync on accelerators)."""
 
@@ -82,17 +85,44 @@ def _apply_top_k_top_p(flat: torch.Tensor, params: TreeSamplingParams, nodes: in
     return flat.scatter_(1, order, ascending)
 
 
-def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams) -> torch.Tensor:
-    """[R, N, V] target logits at every node -> [R, N] the target's token at every node."""
+def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, N, V] target logits at every node -> [R, N] the target's token at every node.
+
+    positions [R, N]: the sequence position of the token each node draws (its depth + 1 past the
+    root's position); needed when any request is seeded."""
     greedy_tokens = logits.argmax(dim=-1)
     all_greedy = bool(params.is_greedy.all()) if params.all_greedy is None else params.all_greedy
     if all_greedy:
         return greedy_tokens
     probs = process_logits(logits, params).softmax(dim=-1)
     noise = torch.empty_like(probs)
-    if len(params.generators) < probs.shape[0]:
+    if len(params.seeds) < probs.shape[0]:
         noise.exponential_()
-    for request, generator in params.generators.items():
-        noise[request].exponential_(generator=generator)
+    if params.seeds:
+        if positions is None:
+            raise ValueError("seeded requests need the positions of the tokens their nodes draw")
+        for request, seed in params.seeds.items():
+            _keyed_exponentials_(noise[request], seed, positions[request])
     sampled = probs.div_(noise).argmax(dim=-1)
     return torch.where(params.is_greedy.unsqueeze(1), greedy_tokens, sampled)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (request seed, position): splitmix64 of the pair, so nearby
+    positions and seeds give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _keyed_exponentials_(noise: torch.Tensor, seed: int, positions: torch.Tensor) -> None:
+    """noise [N, V]: row i := the Exp(1) vector of (seed, positions[i]); rows sharing a position share it."""
+    generator = torch.Generator(device=noise.device)
+    for position in positions.unique().tolist():
+        generator.manual_seed(position_seed(seed, int(position)))
+        row = torch.empty(noise.shape[1], dtype=noise.dtype, device=noise.device).exponential_(generator=generator)
+        noise[positions == position] = row

@@ -13,8 +13,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
 - `ddtree_adaptive` (optional, default false): B becomes a cap; each step verifies only the nodes worth
   their cost across the batch, from the draft's path probabilities and measured step times
-  (`vllm_ddtree.core.budget`), down to plain decoding when speculation does not pay. Requests with a
-  `seed` always verify the full tree (their output must not depend on timing).
+  (`vllm_ddtree.core.budget`), down to plain decoding when speculation does not pay. Outputs do not
+  change (greedy: identical; seeded: the same sample, see `core.sampling`).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 

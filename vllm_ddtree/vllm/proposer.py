@@ -32,7 +32,6 @@ class DDTreeProposer(DFlashProposer):
         if self.use_heterogeneous_vocab or getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
             raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
         self.ddtree = ddtree
-        self._runner = runner
         self.stage_times = stage_times
         self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -67,15 +66,11 @@ class DDTreeProposer(DFlashProposer):
             return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes.tolist())]
 
     def _adaptive_sizes(self, trees: DraftTree, top_logprobs: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """The policy's node count per request; seeded requests keep their full tree (the random draws a
-        seeded request consumes depend on its tree, which must not depend on measured timings)."""
+        """The policy's node count per request (a prefix of each best-first tree)."""
         assert self.budget_policy is not None
         probabilities = path_probabilities(trees, top_logprobs)
         self.last_path_probabilities = probabilities
-        chosen = self.budget_policy.choose(probabilities)
-        generators = self._runner.input_batch.generators
-        seeded = torch.tensor([i in generators for i in range(full.shape[0])], dtype=torch.bool)
-        return torch.where(seeded, full, chosen)
+        return torch.minimum(self.budget_policy.choose(probabilities), full)
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""

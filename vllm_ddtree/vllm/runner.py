@@ -203,7 +203,8 @@ class DDTreeModelRunner(CPUModelRunner):
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
         params = tree_sampling_params(self.input_batch.sampling_metadata, verify.req_indices)
         node_logits = logits[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets]
-        target = sample_nodes(node_logits, verify.tree.num_nodes, params)
+        draw_positions = verify.starts.unsqueeze(1) + verify.tree.depths + 1
+        target = sample_nodes(node_logits, draw_positions, params)
         get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
         if self.drafter.budget_policy is not None and self._predicted_accepted > 0:
