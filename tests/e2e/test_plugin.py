@@ -157,6 +157,7 @@ def test_ddtree_request_becomes_dflash_config_with_forced_settings(pair_dirs, st
     config = EngineArgs(model=target, skip_tokenizer_init=True, kv_cache_memory_bytes=2**26, **spec).create_engine_config()
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 5
-    assert config.additional_config["ddtree"] == {"budget": 5, "topk": 3 if style == "speculative_config" else None}
+    topk = 3 if style == "speculative_config" else None
+    assert config.additional_config["ddtree"] == {"budget": 5, "topk": topk, "adaptive": False}
     assert config.parallel_config.worker_cls == WORKER_CLS
     assert config.scheduler_config.async_scheduling is False

@@ -37,8 +37,9 @@ def _take_recorded(worker: Any) -> list:
     return steps
 
 
-@pytest.fixture(scope="module")
-def tp_engine(pair_dirs):
+@pytest.fixture(scope="module", params=[False, True], ids=["fixed", "adaptive"])
+def tp_engine(pair_dirs, request):
+    """TP=2 engine, budget 16, fixed or adaptive (each rank times its own steps; rank 0's shape wins)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with a test callable
@@ -48,7 +49,8 @@ def tp_engine(pair_dirs):
     llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, tensor_parallel_size=2,
               distributed_executor_backend="mp", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=64, max_num_seqs=16, seed=0,
-              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16})
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16,
+                                  "ddtree_adaptive": request.param})
     llm.collective_rpc(_install_recorder)
     yield llm
     llm.llm_engine.engine_core.shutdown()

@@ -1,13 +1,12 @@
-"""Adaptive tree budget: each step, how many nodes of its best-first tree every request verifies.
+"""Adaptive tree budget: each step, the tree shape with the best measured throughput at this batch size.
 
-Rule. A node v is accepted with probability about c * p(v), where p(v) = exp(score(v)) is the draft's
-probability of v's whole path and c a calibration learned online (accepted tokens / predicted tokens).
-A step that verifies M tree nodes over R requests commits R + c * sum(p) tokens in expectation and
-costs about a(R) + w * M seconds, with a and w fitted online to measured step times. We verify the M
-nodes of highest p across the whole batch (each request's tree cut to a prefix of its best-first
-order, so still prefix-closed) with M maximising expected tokens per second. M = 0 is a plain decoding
-step (the draft still runs, which keeps its context current); M small gives chains; M large, big trees.
-The budget configured is the cap: trees are built at that size and only cut.
+Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still runs, which keeps its
+context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
+the configured cap (the cap itself included). For every batch-size bucket (1, 2-3, 4-7, ...) we keep
+decayed sums of committed tokens and step seconds per candidate. A choice is held for `hold` steps;
+then the next one is the first candidate not yet tried `warmup` times in this bucket, else with
+probability `explore` a random candidate (seeded), else the one with the most tokens per second.
+Throughput is measured, not modelled: draft calibration, kernel speeds and engine overheads are in it.
 """
 
 from __future__ import annotations
@@ -16,130 +15,88 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_ddtree.core.tree import DraftTree
+
+@dataclass(frozen=True)
+class TreeShape:
+    """budget: tree nodes besides the root (0: no speculation this step); topk: candidates per depth
+    (1: the chain; None: no cap beyond the budget)."""
+
+    budget: int
+    topk: int | None = None
 
 
-def path_probabilities(tree: DraftTree, top_logprobs: torch.Tensor) -> torch.Tensor:
-    """[R, N] float64: draft probability of each node's path from the root (root 1.0, padding 0.0).
-
-    top_logprobs [R, L, K] is what the tree was built from; node i's own log-prob is
-    top_logprobs[r, depths[i] - 1, ranks[i]]."""
-    depth_index = (tree.depths - 1).clamp(min=0)
-    own = top_logprobs.to(torch.float64).gather(2, tree.ranks.unsqueeze(1).expand(-1, top_logprobs.shape[1], -1))
-    own = own.gather(1, depth_index.unsqueeze(1)).squeeze(1)
-    own = torch.where(tree.valid & (tree.depths > 0), own, 0.0)
-    total = own.clone()
-    ancestor = tree.parents
-    for _ in range(tree.max_depth):
-        has = ancestor >= 0
-        total += torch.where(has, own.gather(1, ancestor.clamp(min=0)), 0.0)
-        ancestor = torch.where(has, tree.parents.gather(1, ancestor.clamp(min=0)), -1)
-    return torch.where(tree.valid, total.exp(), 0.0)
+def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
+    """off, the chain (if the cap allows `depth` nodes) and trees of 4, 8, 16, ... nodes up to `cap`."""
+    shapes = [TreeShape(0, 1)]
+    if depth >= 1:
+        shapes.append(TreeShape(min(cap, depth), 1))
+    size = 4
+    while size < cap:
+        shapes.append(TreeShape(size))
+        size *= 2
+    shapes.append(TreeShape(cap))
+    return list(dict.fromkeys(shapes))
 
 
-def best_node_order(probabilities: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(request index, probability) of every non-root valid node, most probable first.
-
-    Within a request, probabilities never increase along index order (best-first trees), and ties keep
-    index order (stable sort), so any prefix of the result takes a prefix of each request's tree."""
-    values = probabilities[:, 1:]
-    requests = torch.arange(values.shape[0]).unsqueeze(1).expand_as(values)
-    keep = values > 0
-    values, requests = values[keep], requests[keep]
-    order = torch.sort(values, descending=True, stable=True).indices
-    return requests[order], values[order]
-
-
-def best_node_count(
-    node_probabilities: torch.Tensor, num_requests: int, calibration: float, base_seconds: float, node_seconds: float
-) -> int:
-    """M in 0..len(node_probabilities) maximising (R + c * sum of the first M) / (base + node_seconds * M);
-    the smallest such M on ties. node_probabilities are sorted descending."""
-    expected = num_requests + calibration * torch.cat([torch.zeros(1, dtype=torch.float64), node_probabilities.cumsum(0)])
-    cost = base_seconds + node_seconds * torch.arange(expected.shape[0], dtype=torch.float64)
-    return int(torch.argmax(expected / cost.clamp(min=1e-9)))
-
-
-def node_counts(requests: torch.Tensor, num_requests: int, count: int) -> torch.Tensor:
-    """[R] nodes each request verifies when the first `count` of `best_node_order` are taken."""
-    return torch.bincount(requests[:count], minlength=num_requests)
+def batch_bucket(num_requests: int) -> int:
+    """floor(log2(num_requests)): requests 1 | 2-3 | 4-7 | ..."""
+    return max(1, num_requests).bit_length() - 1
 
 
 @dataclass
-class StepCostModel:
-    """Step seconds ~ a0 + a1 * requests + w * extra_rows, fitted by exponentially weighted least
-    squares (forgetting `decay` per step, a small ridge keeps it solvable before the data varies).
-    extra_rows = scheduled tokens beyond one per request (tree nodes, prefill chunks)."""
+class Throughput:
+    """Decayed sums of committed tokens and seconds over the steps of one (bucket, shape)."""
 
-    decay: float = 0.98
-    ridge: float = 1e-6
-    _xx: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 3, dtype=torch.float64))
-    _xy: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
-    observations: int = 0
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: int = 0
 
-    def observe(self, requests: int, extra_rows: int, seconds: float) -> None:
-        x = torch.tensor([1.0, requests, extra_rows], dtype=torch.float64)
-        self._xx.mul_(self.decay).add_(torch.outer(x, x))
-        self._xy.mul_(self.decay).add_(x * seconds)
-        self.observations += 1
-
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a0, a1, w), each clamped at >= 0."""
-        scale = self._xx.diagonal().clamp(min=1.0)
-        solved = torch.linalg.solve(self._xx + self.ridge * torch.diag(scale), self._xy)
-        a0, a1, w = solved.clamp(min=0.0).tolist()
-        return a0, a1, w
-
-
-@dataclass
-class AcceptanceCalibration:
-    """c = accepted draft tokens / predicted (sum of verified nodes' path probabilities), decayed."""
-
-    decay: float = 0.95
-    accepted: float = 1.0
-    predicted: float = 1.0
-
-    def observe(self, predicted: float, accepted: float) -> None:
-        self.accepted = self.decay * self.accepted + accepted
-        self.predicted = self.decay * self.predicted + predicted
+    def add(self, tokens: float, seconds: float, decay: float) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.steps += 1
 
     @property
-    def factor(self) -> float:
-        return min(2.0, max(0.05, self.accepted / max(self.predicted, 1e-9)))
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
 @dataclass
 class AdaptiveBudget:
-    """Chooses each step's node counts (see the module rule) from the trees and the online models.
+    """The policy of the module rule over `shapes` (from `candidate_shapes`)."""
 
-    The first `warmup_steps` choices cycle through fixed fractions of the available nodes, and later a
-    fraction `explore` of the steps takes a random count (seeded): the cost fit needs steps of
-    different sizes."""
-
-    warmup_steps: int = 10
+    shapes: list[TreeShape]
+    hold: int = 3
+    warmup: int = 1
     explore: float = 0.05
+    decay: float = 0.9
     seed: int = 0
-    cost: StepCostModel = field(default_factory=StepCostModel)
-    calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
-    _steps: int = 0
+    stats: dict[tuple[int, TreeShape], Throughput] = field(default_factory=dict)
+    _current: TreeShape | None = None
+    _bucket: int = -1
+    _held: int = 0
     _rng: torch.Generator | None = None
 
-    WARMUP_FRACTIONS = (1.0, 0.0, 0.5, 0.25, 0.75)
+    def choose(self, num_requests: int) -> TreeShape:
+        """The shape of this step's trees for a batch of `num_requests` requests."""
+        bucket = batch_bucket(num_requests)
+        if self._current is None or bucket != self._bucket or self._held >= self.hold:
+            self._current, self._bucket, self._held = self._pick(bucket), bucket, 0
+        self._held += 1
+        return self._current
 
-    def choose(self, probabilities: torch.Tensor) -> torch.Tensor:
-        """[R] node counts (root excluded) for trees with these path probabilities [R, N]."""
+    def observe(self, num_requests: int, shape: TreeShape, tokens: int, seconds: float) -> None:
+        """A step that verified trees of `shape` committed `tokens` tokens in `seconds`."""
+        key = (batch_bucket(num_requests), shape)
+        self.stats.setdefault(key, Throughput()).add(tokens, seconds, self.decay)
+
+    def _pick(self, bucket: int) -> TreeShape:
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
-        num_requests = probabilities.shape[0]
-        requests, values = best_node_order(probabilities)
-        available = values.shape[0]
-        step = self._steps
-        self._steps += 1
-        if step < self.warmup_steps:
-            count = round(self.WARMUP_FRACTIONS[step % len(self.WARMUP_FRACTIONS)] * available)
-        elif float(torch.rand(1, generator=self._rng)) < self.explore:
-            count = int(torch.randint(0, available + 1, (1,), generator=self._rng))
-        else:
-            a0, a1, w = self.cost.coefficients()
-            count = best_node_count(values, num_requests, self.calibration.factor, a0 + a1 * num_requests, w)
-        return node_counts(requests, num_requests, count)
+        seen = {shape: self.stats.get((bucket, shape), Throughput()) for shape in self.shapes}
+        untried = [shape for shape, stat in seen.items() if stat.steps < self.warmup]
+        if untried:
+            return untried[0]
+        if float(torch.rand(1, generator=self._rng)) < self.explore:
+            return self.shapes[int(torch.randint(len(self.shapes), (1,), generator=self._rng))]
+        return max(self.shapes, key=lambda shape: seen[shape].tokens_per_second)

@@ -11,10 +11,10 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
   draft runs that many mask positions.
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
-- `ddtree_adaptive` (optional, default false): B becomes a cap; each step verifies only the nodes worth
-  their cost across the batch, from the draft's path probabilities and measured step times
-  (`vllm_ddtree.core.budget`), down to plain decoding when speculation does not pay. Outputs do not
-  change (greedy: identical; seeded: the same sample, see `core.sampling`).
+- `ddtree_adaptive` (optional, default false): B becomes a cap; each step the tree shape (off, the
+  chain, or a tree of 4, 8, ... B nodes) with the best measured throughput at the current batch size
+  is used (`vllm_ddtree.core.budget`), down to plain decoding steps when speculation does not pay.
+  Outputs do not change (greedy: identical; seeded: the same sample, see `core.sampling`).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 
@@ -61,7 +61,7 @@ class DDTreeConfig:
 
     budget: draft nodes verified per step (root excluded), in 1..MAX_BUDGET.
     topk: cap on candidates per draft position, >= 1; None means no cap beyond the budget.
-    adaptive: budget is a cap; each step's node counts come from `core.budget.AdaptiveBudget`.
+    adaptive: budget is a cap; each step's tree shape comes from `core.budget.AdaptiveBudget`.
     """
 
     budget: int
@@ -78,10 +78,6 @@ class DDTreeConfig:
             raise ValueError(f"ddtree_topk must be an integer >= 1, got {self.topk!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"ddtree_adaptive must be true or false, got {self.adaptive!r}")
-
-    def candidates_per_depth(self, vocab_size: int) -> int:
-        """K: how many draft candidates per position the tree builder sees."""
-        return min(self.budget, vocab_size, self.topk or self.budget)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DDTreeConfig | None:

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import AdaptiveBudget, DraftTree, build_draft_trees, path_probabilities
+from vllm_ddtree.core import AdaptiveBudget, DraftTree, TreeShape, build_draft_trees, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -36,47 +37,49 @@ class DDTreeProposer(DFlashProposer):
         self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
-        self.budget_policy = AdaptiveBudget() if ddtree.adaptive else None
-        self.last_path_probabilities: torch.Tensor | None = None
+        depth = min(ddtree.budget, self.max_depth)
+        self.budget_policy = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
+        self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
+        self._candidates = 1
 
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
 
-        num_speculative_tokens is the step's tree budget; next_token_ids [R] are the roots (each
-        request's last committed token); the other arguments are DFlashProposer.propose's.
-        `last_trees` keeps the trees built (at the full budget); with the adaptive budget each request
-        returns a prefix of its tree, and `last_path_probabilities` keeps the nodes' path probabilities.
+        num_speculative_tokens is the configured tree budget (the cap under the adaptive budget, whose
+        policy picks this step's `last_shape`); next_token_ids [R] are the roots (each request's last
+        committed token); the other arguments are DFlashProposer.propose's. `last_trees` keeps the
+        trees built (None when the step's budget is 0).
         """
-        budget = num_speculative_tokens
-        depth = min(budget, self.max_depth)
+        depth = min(num_speculative_tokens, self.max_depth)
+        shape = self.last_shape
+        if self.budget_policy is not None:
+            shape = self.last_shape = _same_on_every_rank(self.budget_policy.choose(next_token_ids.shape[0]))
+        self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
         self._top = None
-        self.last_trees = self.last_path_probabilities = None
+        self.last_trees = None
         with self.stage_times.stage(DRAFT_FORWARD):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
-        if budget == 0:
+        if shape.budget == 0:
             return [[] for _ in range(next_token_ids.shape[0])]
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
             top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
-            trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, budget)
+            trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees
-            sizes = trees.num_nodes - 1
-            if self.budget_policy is not None:
-                sizes = self._adaptive_sizes(trees, top_logprobs, sizes)
-            return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes.tolist())]
-
-    def _adaptive_sizes(self, trees: DraftTree, top_logprobs: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        """The policy's node count per request (a prefix of each best-first tree)."""
-        assert self.budget_policy is not None
-        probabilities = path_probabilities(trees, top_logprobs)
-        self.last_path_probabilities = probabilities
-        return torch.minimum(self.budget_policy.choose(probabilities), full)
+            sizes = (trees.num_nodes - 1).tolist()
+            return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
 
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
         logits = self.model.compute_logits(hidden_states)
         with self.stage_times.stage(DRAFT_TOPK):
             logprobs = logits.float().log_softmax(dim=-1)
-            top = logprobs.topk(self.ddtree.candidates_per_depth(logprobs.shape[-1]), dim=-1)
+            top = logprobs.topk(min(self._candidates, logprobs.shape[-1]), dim=-1)
         self._top = (top.values, top.indices)
         return top.indices[:, 0], None
+
+
+def _same_on_every_rank(shape: TreeShape) -> TreeShape:
+    """TP rank 0's choice (each rank times its own steps; all must build the same trees)."""
+    shared = get_tp_group().broadcast(torch.tensor([shape.budget, shape.topk or 0]), src=0)
+    return TreeShape(int(shared[0]), int(shared[1]) or None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.core import (
     KVCompactionPlan,
+    TreeShape,
     accept_tree,
     compact_rows_,
     kv_compaction_plan,
@@ -60,6 +62,18 @@ from vllm_ddtree.vllm.verify import (
 )
 
 
+@dataclass
+class StepClock:
+    """One engine step as the adaptive budget sees it: batch size, the tree shape it verifies, start
+    time, seconds until sampling ended, tokens committed."""
+
+    requests: int
+    shape: TreeShape
+    start: float
+    busy: float = -1.0
+    tokens: int = 0
+
+
 class DDTreeModelRunner(CPUModelRunner):
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
@@ -72,8 +86,7 @@ class DDTreeModelRunner(CPUModelRunner):
         self._verify: TreeVerifyBatch | None = None
         self._node_slots: torch.Tensor | None = None
         self._verified: VerifiedStep | None = None
-        self._predicted_accepted = 0.0  # adaptive budget: this step's sum of verified path probabilities
-        self._step_clock: list[float] | None = None  # adaptive budget: [requests, extra rows, start, busy s]
+        self._step_clock: StepClock | None = None  # adaptive budget: the step being timed
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -94,7 +107,7 @@ class DDTreeModelRunner(CPUModelRunner):
     # ---- stage timing (benchmarks: VLLM_DDTREE_STAGE_TIMES=1) -------------------------------------
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.drafter.budget_policy is not None:
-            self._clock_step(scheduler_output)
+            self._clock_step(len(scheduler_output.num_scheduled_tokens))
         with self.stage_times.stage(STEP):
             return super().execute_model(scheduler_output, *args, **kwargs)
 
@@ -103,25 +116,23 @@ class DDTreeModelRunner(CPUModelRunner):
             output = super().sample_tokens(*args, **kwargs)
         self.stage_times.end_step()
         if self._step_clock is not None:
-            self._step_clock[3] = time.perf_counter() - self._step_clock[2]
+            self._step_clock.busy = time.perf_counter() - self._step_clock.start
         return output
-
-    # ---- adaptive budget: step cost observations --------------------------------------------------
-    def _clock_step(self, scheduler_output: Any) -> None:
-        """Feed the previous step's cost (start to this start: the runner's work plus the engine's
-        per-step overhead) to the budget policy, unless the engine sat idle in between; start timing
-        this one."""
-        now = time.perf_counter()
-        last = self._step_clock
-        if last is not None and last[3] >= 0 and now - last[2] < 2 * last[3] + 0.02:
-            self.drafter.budget_policy.cost.observe(int(last[0]), int(last[1]), now - last[2])
-        num_reqs = len(scheduler_output.num_scheduled_tokens)
-        extra_rows = scheduler_output.total_num_scheduled_tokens - num_reqs
-        self._step_clock = [num_reqs, extra_rows, now, -1.0] if num_reqs else None
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.stage_times.stage(TARGET_FORWARD):
             return super()._model_forward(*args, **kwargs)
+
+    # ---- adaptive budget: what each step's tree shape achieved ------------------------------------
+    def _clock_step(self, num_reqs: int) -> None:
+        """Report the previous step (the tree shape it verified, the tokens it committed, the time from
+        its start to this one: the runner's work plus the engine's per-step overhead) to the budget
+        policy, unless the engine sat idle in between; start timing this step."""
+        now = time.perf_counter()
+        last = self._step_clock
+        if last is not None and last.tokens > 0 and 0 <= last.busy and now - last.start < 2 * last.busy + 0.02:
+            self.drafter.budget_policy.observe(last.requests, last.shape, last.tokens, now - last.start)
+        self._step_clock = StepClock(num_reqs, self.drafter.last_shape, now) if num_reqs else None
 
     # ---- 1. verify inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
@@ -134,7 +145,6 @@ class DDTreeModelRunner(CPUModelRunner):
         """Trees of this step's verify requests (`TreeVerifyBatch`), their RoPE positions and KV slots."""
         proposed, self._proposed = self._proposed, {}
         self._verify = self._node_slots = self._verified = None
-        self._predicted_accepted = 0.0
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return
@@ -154,7 +164,6 @@ class DDTreeModelRunner(CPUModelRunner):
                 )
             )
         trees.sort(key=lambda t: t.req_index)
-        self._predicted_accepted = sum(t.predicted_accepted() for t in trees)
         verify = TreeVerifyBatch.build(trees)
         rows, positions = verify.node_positions()
         self.positions[rows] = positions
@@ -181,7 +190,11 @@ class DDTreeModelRunner(CPUModelRunner):
     # ---- 3. tree walk + KV compaction ------------------------------------------------------------
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
         with self.stage_times.stage(ACCEPTANCE):
-            return self._sample_trees(logits, spec_decode_metadata)
+            output = self._sample_trees(logits, spec_decode_metadata)
+        if self._step_clock is not None:
+            discarded = int(self.discard_request_mask.np[: self.input_batch.num_reqs].sum())
+            self._step_clock.tokens = int((output.sampled_token_ids >= 0).sum()) - discarded
+        return output
 
     def _sample_trees(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
         """Rows without a tree (prefills, requests without drafts) keep vLLM's sampler, which also
@@ -207,9 +220,6 @@ class DDTreeModelRunner(CPUModelRunner):
         target = sample_nodes(node_logits, draw_positions, params)
         get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
-        if self.drafter.budget_policy is not None and self._predicted_accepted > 0:
-            accepted = float((acceptance.num_accepted - 1).sum())
-            self.drafter.budget_policy.calibration.observe(self._predicted_accepted, accepted)
 
         output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
         output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
@@ -304,8 +314,7 @@ class DDTreeModelRunner(CPUModelRunner):
         trees = self.drafter.last_trees
         if trees is not None:
             with self.stage_times.stage(TREE_BUILD):
-                unbatched = ProposedTree.unbatch(trees, self.drafter.last_path_probabilities)
-                self._proposed = dict(zip(self.input_batch.req_ids, unbatched))
+                self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
         return drafts
 
     def _path_first(

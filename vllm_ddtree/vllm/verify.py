@@ -24,23 +24,19 @@ from vllm_ddtree.vllm.attention import TreeAttention
 
 @dataclass(frozen=True)
 class ProposedTree:
-    """One request's proposed tree as plain lists over its nodes (root first, index order), and the
-    draft's path probability of each node when the adaptive budget computed them."""
+    """One request's proposed tree as plain lists over its nodes (root first, index order)."""
 
     token_ids: list[int]
     parents: list[int]
     depths: list[int]
     ranks: list[int]
-    path_probabilities: list[float] | None = None
 
     @staticmethod
-    def unbatch(trees: DraftTree, path_probabilities: torch.Tensor | None = None) -> list[ProposedTree]:
+    def unbatch(trees: DraftTree) -> list[ProposedTree]:
         """One ProposedTree per request of a batch, valid nodes only."""
-        tensors = (trees.token_ids, trees.parents, trees.depths, trees.ranks)
-        columns = [t.tolist() for t in tensors] + [path_probabilities.tolist() if path_probabilities is not None else None]
+        columns = [t.tolist() for t in (trees.token_ids, trees.parents, trees.depths, trees.ranks)]
         return [
-            ProposedTree(*(column[r][:n] if column is not None else None for column in columns))
-            for r, n in enumerate(trees.num_nodes.tolist())
+            ProposedTree(*(column[r][:n] for column in columns)) for r, n in enumerate(trees.num_nodes.tolist())
         ]
 
 
@@ -54,14 +50,6 @@ class ScheduledTree:
     root_token_id: int
     draft_token_ids: list[int]
     proposed: ProposedTree | None
-
-    def predicted_accepted(self) -> float:
-        """Draft tokens this verification should accept if path probabilities were acceptance rates
-        (0 without them or when the drafts are not our tree)."""
-        proposed, n = self.proposed, 1 + len(self.draft_token_ids)
-        if proposed is None or proposed.path_probabilities is None or proposed.token_ids[1:n] != self.draft_token_ids:
-            return 0.0
-        return sum(proposed.path_probabilities[1:n])
 
     def shape(self) -> tuple[list[int], list[int], list[int]]:
         """(parents, depths, ranks) of root + scheduled nodes; a chain when the drafts are not our tree
