@@ -18,7 +18,8 @@ def test_candidates_are_off_chain_and_doubling_trees_up_to_the_cap(cap, depth):
     if depth:
         assert TreeShape(min(cap, depth), 1) in shapes
     trees = [s.budget for s in shapes if s.topk is None]
-    assert trees == sorted(trees) and all(b == cap or b & (b - 1) == 0 for b in trees)
+    assert all(b == cap or b & (b - 1) == 0 for b in trees)
+    assert [s.budget for s in shapes] == sorted(s.budget for s in shapes)
 
 
 def test_batch_buckets_are_powers_of_two():
@@ -35,22 +36,30 @@ def simulate(policy: AdaptiveBudget, rates: dict[TreeShape, float], steps: int, 
     return chosen
 
 
-def test_warmup_tries_every_shape_then_holds_the_fastest():
-    shapes = candidate_shapes(32, 7)
-    rates = {s: 100.0 + 10 * i for i, s in enumerate(shapes)}
-    best = max(rates, key=rates.get)
+def test_climbs_to_the_fastest_shape_without_trying_far_ones():
+    shapes = candidate_shapes(64, 7)  # off, 4, chain of 7, 8, 16, 32, 64
+    peak = shapes.index(TreeShape(16))
+    rates = {s: 100.0 - 10 * abs(i - peak) for i, s in enumerate(shapes)}
     policy = AdaptiveBudget(shapes, hold=3, warmup=1, explore=0.0)
-    chosen = simulate(policy, rates, 3 * len(shapes) + 30)
-    warmup = chosen[: 3 * len(shapes)]
-    assert [warmup[3 * i] for i in range(len(shapes))] == shapes  # each tried, in order, held 3 steps
-    assert all(warmup[3 * i] == warmup[3 * i + 1] == warmup[3 * i + 2] for i in range(len(shapes)))
-    assert set(chosen[3 * len(shapes) :]) == {best}
+    chosen = simulate(policy, rates, 60)
+    assert chosen[0] == TreeShape(8)  # start: the first tree of >= 8 nodes
+    assert all(chosen[3 * i] == chosen[3 * i + 1] == chosen[3 * i + 2] for i in range(20))  # held 3 steps
+    assert set(chosen[-30:]) == {TreeShape(16)}
+    assert TreeShape(64) not in chosen and TreeShape(0, 1) not in chosen
+
+
+def test_walks_down_to_off_when_speculation_does_not_pay():
+    shapes = candidate_shapes(64, 7)
+    policy = AdaptiveBudget(shapes, explore=0.0)
+    chosen = simulate(policy, {s: 100.0 - s.budget for s in shapes}, 60)
+    assert set(chosen[-15:]) == {TreeShape(0, 1)}
+    assert TreeShape(64) not in chosen
 
 
 def test_switches_when_the_fastest_shape_changes_and_falls_back_to_off():
     shapes = candidate_shapes(16, 7)
     policy = AdaptiveBudget(shapes, explore=0.1, decay=0.8)
-    simulate(policy, {s: 100.0 + s.budget for s in shapes}, 200)  # big trees pay
+    simulate(policy, {s: 100.0 + s.budget for s in shapes}, 200)  # big trees pay (100.0 + budget)
     late = simulate(policy, {s: 100.0 - s.budget for s in shapes}, 400)[-100:]  # now nothing pays
     assert late.count(TreeShape(0, 1)) >= 85
 

@@ -2,10 +2,12 @@
 
 Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still runs, which keeps its
 context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
-the configured cap (the cap itself included). For every batch-size bucket (1, 2-3, 4-7, ...) we keep
-decayed sums of committed tokens and step seconds per candidate. A choice is held for `hold` steps;
-then the next one is the first candidate not yet tried `warmup` times in this bucket, else with
-probability `explore` a random candidate (seeded), else the one with the most tokens per second.
+the configured cap (the cap itself included), ordered by node count. For every batch-size bucket (1, 2-3,
+4-7, ...) we keep decayed sums of committed tokens and step seconds per candidate. A choice is held for
+`hold` steps. Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can
+be very slow, so they are never tried blindly): start at the first tree of at least 8 nodes (or the
+cap); then take the measured best, after each of its two neighbours has been measured `warmup`
+times, and with probability `explore` (seeded) re-measure one of its neighbours.
 Throughput is measured, not modelled: draft calibration, kernel speeds and engine overheads are in it.
 """
 
@@ -26,7 +28,8 @@ class TreeShape:
 
 
 def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
-    """off, the chain (if the cap allows `depth` nodes) and trees of 4, 8, 16, ... nodes up to `cap`."""
+    """off, the chain of min(cap, depth) nodes and trees of 4, 8, 16, ... nodes up to `cap`, ordered
+    by node count (the chain before a tree of as many nodes): the order the policy climbs."""
     shapes = [TreeShape(0, 1)]
     if depth >= 1:
         shapes.append(TreeShape(min(cap, depth), 1))
@@ -35,7 +38,7 @@ def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
         shapes.append(TreeShape(size))
         size *= 2
     shapes.append(TreeShape(cap))
-    return list(dict.fromkeys(shapes))
+    return sorted(dict.fromkeys(shapes), key=lambda shape: (shape.budget, shape.topk is None))
 
 
 def batch_bucket(num_requests: int) -> int:
@@ -66,10 +69,10 @@ class AdaptiveBudget:
     """The policy of the module rule over `shapes` (from `candidate_shapes`)."""
 
     shapes: list[TreeShape]
-    hold: int = 3
+    hold: int = 4
     warmup: int = 1
     explore: float = 0.05
-    decay: float = 0.9
+    decay: float = 0.95
     seed: int = 0
     stats: dict[tuple[int, TreeShape], Throughput] = field(default_factory=dict)
     _current: TreeShape | None = None
@@ -93,10 +96,21 @@ class AdaptiveBudget:
     def _pick(self, bucket: int) -> TreeShape:
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
-        seen = {shape: self.stats.get((bucket, shape), Throughput()) for shape in self.shapes}
-        untried = [shape for shape, stat in seen.items() if stat.steps < self.warmup]
-        if untried:
-            return untried[0]
+        measured = {
+            i: stat for i, shape in enumerate(self.shapes)
+            if (stat := self.stats.get((bucket, shape))) is not None and stat.steps >= self.warmup
+        }
+        if not measured:
+            return self.shapes[self._start_index()]
+        best = max(measured, key=lambda i: measured[i].tokens_per_second)
+        neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
+        for i in neighbours:
+            if i not in measured:
+                return self.shapes[i]
         if float(torch.rand(1, generator=self._rng)) < self.explore:
-            return self.shapes[int(torch.randint(len(self.shapes), (1,), generator=self._rng))]
-        return max(self.shapes, key=lambda shape: seen[shape].tokens_per_second)
+            return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]]
+        return self.shapes[best]
+
+    def _start_index(self) -> int:
+        trees = [i for i, shape in enumerate(self.shapes) if shape.topk is None and shape.budget >= 8]
+        return trees[0] if trees else len(self.shapes) - 1

@@ -323,10 +323,12 @@ class DDTreeModelRunner(CPUModelRunner):
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
         positions: row first_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        src, dst = plan.rows(verify.first_rows)
-        moves = plan.is_move.flatten()
         rows, positions = verify.linear_positions()
         self.positions[rows] = positions
+        if not bool(plan.is_move.any()):  # every accepted path already sits in path order (chains)
+            return aux_hidden_states
+        src, dst = plan.rows(verify.first_rows)
+        moves = plan.is_move.flatten()
         reordered = []
         for states in aux_hidden_states:
             states = states.clone()
