@@ -12,7 +12,11 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
+from vllm_ddtree.core.sampling import keyed_uniforms
 
 VOCAB = 8
 DRAWS = 40_000
@@ -133,3 +137,27 @@ def test_requests_in_a_batch_do_not_share_randomness():
     assert not torch.equal(unseeded[0], unseeded[1])
     seeded = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(2), seeds={0: 1, 1: 2}), positions)
     assert not torch.equal(seeded[0], seeded[1])
+
+
+def splitmix_uniform_oracle(seed: int, position: int) -> float:
+    """splitmix64 in Python's unbounded ints, reduced mod 2^64 at every step."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (z >> 11) * 2.0**-53
+
+
+@given(st.integers(0, 2**63 - 1), st.integers(0, 2**40))
+def test_keyed_uniforms_are_splitmix64_of_seed_and_position(seed, position):
+    got = float(keyed_uniforms(torch.tensor(seed), torch.tensor(position)))
+    assert got == splitmix_uniform_oracle(seed, position) and 0.0 <= got < 1.0
+
+
+def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():
+    logits = torch.randn(1, 6, VOCAB, generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(6).unsqueeze(0)
+    big = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(1), seeds={0: 2**64 - 5}), positions)
+    wrapped = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(1), seeds={0: -5}), positions)
+    assert torch.equal(big, wrapped)

@@ -7,12 +7,13 @@ logits for greedy requests. The walk descends iff the draw is a child. Each emit
 plain target sample given the emitted prefix. Never apply min(1, p/q) to top-k (non-sampled) draft
 tokens: that rule is biased.
 
-Randomness: draws use the exponential race argmax(p / E), E ~ Exp(1) i.i.d. over the vocabulary, which
-picks i with probability p_i. Seeded requests key E by (seed, position of the token drawn): every node
-sampling position p uses the same E_p. Along the path the walk follows each position is drawn once, and
-whether a position is reached depends only on earlier positions' E, so the emitted tokens are a plain
-target sample, and the same one whatever the tree's shape or size and whatever else is in the batch
-(same seed, same prompt -> same output). Unseeded requests draw from the default generator.
+Randomness: a draw is the inverse CDF at one uniform u in [0, 1): token i iff cdf(i-1) <= u * cdf(V-1)
+< cdf(i), cumulative sums in float64 (masked tokens have empty intervals). Seeded requests key u by
+(seed, position of the token drawn) through splitmix64: every node sampling position p uses the same
+u_p. Along the path the walk follows each position is drawn once, and whether a position is reached
+depends only on earlier positions' u, so the emitted tokens are a plain target sample, and the same
+one whatever the tree's shape or size and whatever else is in the batch (same seed, same prompt ->
+same output). Unseeded requests draw u from the default generator.
 """
 
 from __future__ import annotations
@@ -95,34 +96,39 @@ def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams, positio
     if all_greedy:
         return greedy_tokens
     probs = process_logits(logits, params).softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    if len(params.seeds) < probs.shape[0]:
-        noise.exponential_()
+    uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
     if params.seeds:
         if positions is None:
             raise ValueError("seeded requests need the positions of the tokens their nodes draw")
-        for request, seed in params.seeds.items():
-            _keyed_exponentials_(noise[request], seed, positions[request])
-    sampled = probs.div_(noise).argmax(dim=-1)
+        rows = list(params.seeds)
+        seeds = torch.tensor([_signed(params.seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=probs.device)
+        uniforms[rows] = keyed_uniforms(seeds.unsqueeze(1), positions[rows].long())
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)
+    targets = (uniforms * cdf[..., -1]).unsqueeze(-1)
+    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     return torch.where(params.is_greedy.unsqueeze(1), greedy_tokens, sampled)
 
 
 _MASK64 = (1 << 64) - 1
 
 
-def position_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed for (request seed, position): splitmix64 of the pair, so nearby
-    positions and seeds give unrelated streams."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def _keyed_exponentials_(noise: torch.Tensor, seed: int, positions: torch.Tensor) -> None:
-    """noise [N, V]: row i := the Exp(1) vector of (seed, positions[i]); rows sharing a position share it."""
-    generator = torch.Generator(device=noise.device)
-    for position in positions.unique().tolist():
-        generator.manual_seed(position_seed(seed, int(position)))
-        row = torch.empty(noise.shape[1], dtype=noise.dtype, device=noise.device).exponential_(generator=generator)
-        noise[positions == position] = row
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in [0, 1), one per (seed, position) (broadcast): the top 53 bits of
+    splitmix64(seed * golden + position + 1), computed in wrapping int64 arithmetic."""
+    z = seeds * _GOLDEN + positions + 1
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 11).to(torch.float64) * 2.0**-53
