@@ -8,7 +8,8 @@ plain target sample given the emitted prefix. Never apply min(1, p/q) to top-k (
 tokens: that rule is biased.
 
 Randomness: a draw is the inverse CDF at one uniform u in [0, 1): token i iff cdf(i-1) <= u * cdf(V-1)
-< cdf(i), cumulative sums in float64 (masked tokens have empty intervals). Seeded requests key u by
+< cdf(i), in float64 (masked tokens have empty intervals), found in two levels: blocks of 64 tokens,
+then the token inside the block. Seeded requests key u by
 (seed, position of the token drawn) through splitmix64: every node sampling position p uses the same
 u_p. Along the path the walk follows each position is drawn once, and whether a position is reached
 depends only on earlier positions' u, so the emitted tokens are a plain target sample, and the same
@@ -95,7 +96,8 @@ def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams, positio
     all_greedy = bool(params.is_greedy.all()) if params.all_greedy is None else params.all_greedy
     if all_greedy:
         return greedy_tokens
-    probs = process_logits(logits, params).softmax(dim=-1)
+    processed = process_logits(logits, params)
+    probs = processed.sub_(processed.amax(dim=-1, keepdim=True)).exp_()  # unnormalised: inverse_cdf scales
     uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
     if params.seeds:
         if positions is None:
@@ -103,10 +105,32 @@ def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams, positio
         rows = list(params.seeds)
         seeds = torch.tensor([_signed(params.seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=probs.device)
         uniforms[rows] = keyed_uniforms(seeds.unsqueeze(1), positions[rows].long())
-    cdf = probs.to(torch.float64).cumsum_(dim=-1)
-    targets = (uniforms * cdf[..., -1]).unsqueeze(-1)
-    sampled = torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    sampled = inverse_cdf(probs.flatten(0, 1), uniforms.flatten()).view(probs.shape[:2])
     return torch.where(params.is_greedy.unsqueeze(1), greedy_tokens, sampled)
+
+
+_BLOCK = 64
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[M] the token i of each row of probs [M, V] (>= 0, not normalised) with
+    cdf(i-1) <= u * cdf(V-1) < cdf(i). Block masses and the chosen block's prefix sums are float64;
+    a token of zero mass is never returned."""
+    rows, vocab = probs.shape
+    whole = vocab - vocab % _BLOCK
+    block_mass = probs[:, :whole].reshape(rows, -1, _BLOCK).double().sum(-1)
+    if whole < vocab:
+        block_mass = torch.cat([block_mass, probs[:, whole:].double().sum(-1, keepdim=True)], 1)
+    block_cdf = block_mass.cumsum_(-1)  # [M, ceil(vocab / 64)]
+    total = block_cdf[:, -1]
+    targets = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
+    tokens = block.unsqueeze(1) * _BLOCK + torch.arange(_BLOCK, device=probs.device)
+    inside = torch.where(tokens < vocab, probs.gather(1, tokens.clamp(max=vocab - 1)).double(), 0.0).cumsum_(-1)
+    offset = torch.searchsorted(inside, (targets - before).unsqueeze(1), right=True).squeeze(1)
+    last_with_mass = (inside < inside[:, -1:]).sum(-1)  # rounding between the two levels never overshoots it
+    return block * _BLOCK + torch.minimum(offset, last_with_mass)
 
 
 _MASK64 = (1 << 64) - 1
