@@ -1,6 +1,7 @@
 """vLLM's CPU model runner with DDTree: tree drafts, tree-masked verify, tree walk, KV compaction.
 
-One engine step, for the requests whose drafts are trees (all others run exactly as stock DFlash):
+One engine step, for the requests whose drafts are trees (all others, and all-greedy steps whose drafts
+are chains, run exactly as stock DFlash):
 1. `_prepare_inputs`: vLLM lays out each request's 1 + n rows with linear KV slots; we set node i's
    RoPE position to start + depth(i) and remember the batch's trees (`TreeVerifyBatch`).
 2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks of the
@@ -148,6 +149,8 @@ class DDTreeModelRunner(CPUModelRunner):
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         if not scheduled:
             return
+        if self.input_batch.all_greedy and self.drafter.last_shape.topk == 1:
+            return  # greedy chains: vLLM's own DFlash verification is exact, needs no tree step and is cheapest
         first_rows = self.query_start_loc.np
         trees = []
         for req_id, draft_token_ids in scheduled.items():
