@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, batch_bucket, candidate_shapes
+from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, batch_bucket, candidate_shapes, nested_shapes
 
 
 @given(st.integers(1, 2048), st.integers(0, 15))
@@ -32,7 +32,7 @@ def simulate(policy: AdaptiveBudget, rates: dict[TreeShape, float], steps: int, 
     for _ in range(steps):
         shape = policy.choose(num_requests)
         chosen.append(shape)
-        policy.observe(num_requests, shape, tokens=rates[shape] * 0.01, seconds=0.01)
+        policy.observe(num_requests, shape, 0.01, {shape: rates[shape] * 0.01})
     return chosen
 
 
@@ -70,7 +70,7 @@ def test_batch_sizes_learn_separately():
     for _ in range(60):
         for n, fast in ((1, TreeShape(8)), (16, TreeShape(0, 1))):
             shape = policy.choose(n)
-            policy.observe(n, shape, tokens=2.0 if shape == fast else 1.0, seconds=0.01)
+            policy.observe(n, shape, 0.01, {shape: 2.0 if shape == fast else 1.0})
     assert policy.choose(1) == TreeShape(8)
     assert policy.choose(16) == TreeShape(0, 1)
 
@@ -82,3 +82,22 @@ def test_exploration_is_seeded():
     assert runs[0] == runs[1]
     assert len(set(runs[0][-120:])) > 1  # exploration does leave the best shape
     assert torch.tensor([s == max(rates, key=rates.get) for s in runs[0][-120:]]).float().mean() > 0.6
+
+
+def test_nested_shapes_are_the_prefix_trees_of_the_used_shape():
+    shapes = candidate_shapes(32, 7)  # off, 4, chain 7, 8, 16, 32
+    assert nested_shapes(shapes, TreeShape(16)) == [TreeShape(0, 1), TreeShape(4), TreeShape(8), TreeShape(16)]
+    assert nested_shapes(shapes, TreeShape(7, 1)) == [TreeShape(0, 1), TreeShape(7, 1)]
+    assert nested_shapes(shapes, TreeShape(0, 1)) == [TreeShape(0, 1)]
+
+
+def test_counterfactual_tokens_need_only_timing_to_compare():
+    """Tokens of nested trees come with every step of the big one; a shape is ranked once it is timed."""
+    shapes = candidate_shapes(16, 7)
+    policy = AdaptiveBudget(shapes, explore=0.0, warmup=1)
+    tokens = {TreeShape(0, 1): 1.0, TreeShape(4): 2.0, TreeShape(8): 2.5, TreeShape(16): 2.6}
+    policy.observe(1, TreeShape(16), 0.02, tokens)
+    assert policy.tokens_per_second(0, TreeShape(16)) == 2.6 / 0.02
+    assert policy.tokens_per_second(0, TreeShape(8)) is None  # counted, not yet timed
+    policy.observe(1, TreeShape(8), 0.01, {s: tokens[s] for s in nested_shapes(shapes, TreeShape(8))})
+    assert policy.tokens_per_second(0, TreeShape(8)) == 2.5 / 0.01

@@ -2,13 +2,16 @@
 
 Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still runs, which keeps its
 context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
-the configured cap (the cap itself included), ordered by node count. For every batch-size bucket (1, 2-3,
-4-7, ...) we keep decayed sums of committed tokens and step seconds per candidate. A choice is held for
-`hold` steps. Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can
-be very slow, so they are never tried blindly): start at the first tree of at least 8 nodes (or the
-cap); then take the measured best, after each of its two neighbours has been measured `warmup`
-times, and with probability `explore` (seeded) re-measure one of its neighbours.
-Throughput is measured, not modelled: draft calibration, kernel speeds and engine overheads are in it.
+the configured cap (the cap itself included), ordered by node count. For every batch-size bucket (1,
+2-3, 4-7, ...) we keep decayed means of committed tokens per step and of seconds per step for each
+candidate. Seconds are measured for the shape a step used. Tokens are measured for it AND for every
+candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
+of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
+accepted exactly the accepted path's nodes of index <= b (off: none) — paired, noise-free comparisons.
+A choice is held for `hold` steps. Choices climb the ordered list (speed peaks at an intermediate
+size, and far sizes can be very slow, so they are never tried blindly): start at the first tree of at
+least 8 nodes (or the cap); then take the best measured tokens per second, after each of its two
+neighbours has been timed `warmup` times, and with probability `explore` (seeded) re-time a neighbour.
 """
 
 from __future__ import annotations
@@ -47,21 +50,27 @@ def batch_bucket(num_requests: int) -> int:
 
 
 @dataclass
-class Throughput:
-    """Decayed sums of committed tokens and seconds over the steps of one (bucket, shape)."""
+class DecayedMean:
+    """Exponentially weighted mean of a per-step quantity."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
+    total: float = 0.0
+    weight: float = 0.0
     steps: int = 0
 
-    def add(self, tokens: float, seconds: float, decay: float) -> None:
-        self.tokens = decay * self.tokens + tokens
-        self.seconds = decay * self.seconds + seconds
+    def add(self, value: float, decay: float) -> None:
+        self.total = decay * self.total + value
+        self.weight = decay * self.weight + 1.0
         self.steps += 1
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def mean(self) -> float:
+        return self.total / self.weight if self.weight > 0 else 0.0
+
+
+def nested_shapes(shapes: list[TreeShape], used: TreeShape) -> list[TreeShape]:
+    """Candidates whose tree is a prefix of a `used`-shaped tree: off, `used` itself, and for a tree
+    (no top-k cap) every smaller tree."""
+    return [s for s in shapes if s.budget == 0 or s == used or (used.topk is None and s.topk is None and s.budget <= used.budget)]
 
 
 @dataclass
@@ -74,7 +83,8 @@ class AdaptiveBudget:
     explore: float = 0.05
     decay: float = 0.95
     seed: int = 0
-    stats: dict[tuple[int, TreeShape], Throughput] = field(default_factory=dict)
+    tokens: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
+    seconds: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
     _current: TreeShape | None = None
     _bucket: int = -1
     _held: int = 0
@@ -88,24 +98,31 @@ class AdaptiveBudget:
         self._held += 1
         return self._current
 
-    def observe(self, num_requests: int, shape: TreeShape, tokens: int, seconds: float) -> None:
-        """A step that verified trees of `shape` committed `tokens` tokens in `seconds`."""
-        key = (batch_bucket(num_requests), shape)
-        self.stats.setdefault(key, Throughput()).add(tokens, seconds, self.decay)
+    def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None:
+        """A step verified trees of shape `used` in `seconds`; tokens[s] = tokens it committed (s = used)
+        or would have committed (s nested in used, see `nested_shapes`)."""
+        bucket = batch_bucket(num_requests)
+        self.seconds.setdefault((bucket, used), DecayedMean()).add(seconds, self.decay)
+        for shape, count in tokens.items():
+            self.tokens.setdefault((bucket, shape), DecayedMean()).add(count, self.decay)
+
+    def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
+        """Measured rate, or None until the shape has been timed `warmup` times in this bucket."""
+        seconds, tokens = self.seconds.get((bucket, shape)), self.tokens.get((bucket, shape))
+        if seconds is None or tokens is None or seconds.steps < self.warmup or seconds.mean <= 0:
+            return None
+        return tokens.mean / seconds.mean
 
     def _pick(self, bucket: int) -> TreeShape:
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
-        measured = {
-            i: stat for i, shape in enumerate(self.shapes)
-            if (stat := self.stats.get((bucket, shape))) is not None and stat.steps >= self.warmup
-        }
-        if not measured:
+        rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
+        if not rates:
             return self.shapes[self._start_index()]
-        best = max(measured, key=lambda i: measured[i].tokens_per_second)
+        best = max(rates, key=rates.get)
         neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
         for i in neighbours:
-            if i not in measured:
+            if i not in rates:
                 return self.shapes[i]
         if float(torch.rand(1, generator=self._rng)) < self.explore:
             return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,10 +34,12 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.core import (
     KVCompactionPlan,
+    TreeAcceptance,
     TreeShape,
     accept_tree,
     compact_rows_,
     kv_compaction_plan,
+    nested_shapes,
 )
 from vllm_ddtree.vllm.attention import (
     DDTreeCPUAttentionImpl,
@@ -66,13 +68,15 @@ from vllm_ddtree.vllm.verify import (
 @dataclass
 class StepClock:
     """One engine step as the adaptive budget sees it: batch size, the tree shape it verifies, start
-    time, seconds until sampling ended, tokens committed."""
+    time, seconds until sampling ended, tokens committed, and accepted draft tokens per nested shape
+    (the used shape's included; empty when the step verified no trees of ours)."""
 
     requests: int
     shape: TreeShape
     start: float
     busy: float = -1.0
     tokens: int = 0
+    accepted: dict[TreeShape, int] = field(default_factory=dict)
 
 
 class DDTreeModelRunner(CPUModelRunner):
@@ -132,7 +136,9 @@ class DDTreeModelRunner(CPUModelRunner):
         now = time.perf_counter()
         last = self._step_clock
         if last is not None and last.tokens > 0 and 0 <= last.busy and now - last.start < 2 * last.busy + 0.02:
-            self.drafter.budget_policy.observe(last.requests, last.shape, last.tokens, now - last.start)
+            used = last.accepted.get(last.shape, 0)
+            tokens = {shape: last.tokens - used + gain for shape, gain in last.accepted.items()} or {last.shape: last.tokens}
+            self.drafter.budget_policy.observe(last.requests, last.shape, now - last.start, tokens)
         self._step_clock = StepClock(num_reqs, self.drafter.last_shape, now) if num_reqs else None
 
     # ---- 1. verify inputs -------------------------------------------------------------------------
@@ -223,6 +229,8 @@ class DDTreeModelRunner(CPUModelRunner):
         target = sample_nodes(node_logits, draw_positions, params)
         get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
+        if self._step_clock is not None:
+            self._step_clock.accepted = self._accepted_by_nested_shape(self._step_clock.shape, verify, acceptance)
 
         output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
         output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
@@ -233,6 +241,20 @@ class DDTreeModelRunner(CPUModelRunner):
             self._compact_target_kv(plan)
         self._verified = VerifiedStep(verify, acceptance, plan)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+    def _accepted_by_nested_shape(
+        self, used: TreeShape, verify: TreeVerifyBatch, acceptance: TreeAcceptance
+    ) -> dict[TreeShape, int]:
+        """Accepted draft tokens of this step, and those of each smaller candidate whose tree is a prefix
+        of this one (path nodes of index <= its budget), for the budget policy. Shapes larger than the
+        smallest scheduled tree are left out (the scheduler may have cut trees)."""
+        path = acceptance.accepted_nodes[:, 1:]
+        accepted = {used: int((path > 0).sum())}
+        smallest = int(verify.tree.num_nodes.min()) - 1
+        for shape in nested_shapes(self.drafter.budget_policy.shapes, used):
+            if shape != used and shape.budget <= smallest:
+                accepted[shape] = int(((path > 0) & (path <= shape.budget)).sum())
+        return accepted
 
     def _discarded_generators(self) -> dict[int, torch.Generator]:
         """Generators of this step's requests whose sampled token vLLM discards (partial prefills)."""
