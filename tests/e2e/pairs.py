@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
@@ -30,34 +31,51 @@ EOS_TOKEN_ID = 23
 HIDDEN = 128
 
 
-def _qwen3_config(num_layers: int):
+@dataclass(frozen=True)
+class PairShape:
+    """Architecture of a synthetic pair; the defaults are the standard pairs'. The draft shares the
+    target's hidden size, heads and vocab (DFlash reuses the target's embedding and LM head)."""
+
+    hidden: int = HIDDEN
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    target_layers: int = 4
+    draft_layers: int = 1
+    block_size: int = BLOCK_SIZE
+    target_layer_ids: tuple[int, ...] = (1, 2)
+    tie_word_embeddings: bool = False
+
+
+def _qwen3_config(num_layers: int, shape: PairShape):
     from transformers import Qwen3Config
 
     return Qwen3Config(
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=256,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
         max_position_embeddings=2048,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
         rms_norm_eps=1e-6,
     )
 
 
-def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
+def build_pair(out_dir: str, focused: bool, seed: int = 0, shape: PairShape = PairShape()) -> tuple[str, str]:
     """Write target/ and draft/ under out_dir; returns their paths."""
     from transformers import Qwen3ForCausalLM
 
+    hidden = shape.hidden
     gen = torch.Generator().manual_seed(seed)
-    target = Qwen3ForCausalLM(_qwen3_config(4))
+    target = Qwen3ForCausalLM(_qwen3_config(shape.target_layers, shape))
     with torch.no_grad():
         for p in target.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
         if focused:
-            u = torch.randn(HIDDEN, generator=gen)
+            u = torch.randn(hidden, generator=gen)
             u /= u.norm()
             target.model.embed_tokens.weight.add_(4.0 * u)
             for layer in target.model.layers:  # keep context effects, but below the shared direction
@@ -67,7 +85,7 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
                 norm.weight.fill_(1.0)
             head = target.lm_head.weight
             head.mul_(0.1)
-            noise = torch.randn(len(FOCUS), HIDDEN, generator=gen) * 0.4
+            noise = torch.randn(len(FOCUS), hidden, generator=gen) * 0.4
             along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
             head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
             target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
@@ -77,26 +95,27 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
         with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
             json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
 
-    draft = Qwen3ForCausalLM(_qwen3_config(1))
+    draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
     weights = {
         k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
         for k, v in draft.state_dict().items()
         if k.startswith("model.") and "embed_tokens" not in k
     }
-    weights["fc.weight"] = torch.randn(HIDDEN, 2 * HIDDEN, generator=gen) * 0.05
-    weights["hidden_norm.weight"] = torch.ones(HIDDEN)
+    weights["fc.weight"] = torch.randn(hidden, len(shape.target_layer_ids) * hidden, generator=gen) * 0.05
+    weights["hidden_norm.weight"] = torch.ones(hidden)
     if focused:
-        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-            weights[name].mul_(0.002)
+        for i in range(shape.draft_layers):
+            for name in (f"layers.{i}.self_attn.o_proj.weight", f"layers.{i}.mlp.down_proj.weight"):
+                weights[name].mul_(0.002)
     draft_dir = os.path.join(out_dir, "draft")
     os.makedirs(draft_dir, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
-    config = _qwen3_config(1).to_dict()
+    config = _qwen3_config(shape.draft_layers, shape).to_dict()
     config.update(
         architectures=["DFlashDraftModel"],
-        block_size=BLOCK_SIZE,
-        num_target_layers=4,
-        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": [1, 2]},
+        block_size=shape.block_size,
+        num_target_layers=shape.target_layers,
+        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(shape.target_layer_ids)},
     )
     with open(os.path.join(draft_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
