@@ -16,7 +16,9 @@ interpreter, thread count and library versions repeats the same computation):
    layers ``target_layer_ids``, i.e. HF ``hidden_states[id + 1]``) as bf16.
 4. draft: a 2-layer DFlash draft trained on those generations with the DFlash objective (random
    anchors; block ``[x_a, MASK x (B-1)]`` at positions a..a+B-1 sees context features at positions < a
-   and is bidirectional inside; CE at block positions k=1..B-1 weighted ``exp(-(k-1)/gamma)``).
+   and is bidirectional inside; CE at block positions k=1..B-1 weighted ``exp(-(k-1)/gamma)``), in two
+   cycles: ``draft_steps`` on generations A, then a warm restart of ``draft_cycle2_steps`` at
+   ``draft_cycle2_lr`` on a fresh set of generations B (more target text, same schedule shape).
 5. evaluation (pure PyTorch): held-out target loss; teacher-forced draft accuracy per depth; chain
    and DDTree acceptance (T=0 stepping) on held-out prompts.
 
@@ -81,6 +83,8 @@ class Recipe:
     draft_batch: int = 16
     draft_anchors: int = 32
     draft_lr: float = 2e-3
+    draft_cycle2_steps: int = 3000
+    draft_cycle2_lr: float = 1e-3
     draft_wd: float = 0.01
     loss_gamma: float = 4.0  # DFlash/SpecForge: 4 for block 8
     # One k_norm shared by all draft layers. vLLM 0.32's CPU ``ops.rms_norm`` ignores the per-layer
@@ -103,6 +107,7 @@ class Recipe:
         r = Recipe(**asdict(self))
         r.target_steps = max(2, int(self.target_steps * scale))
         r.draft_steps = max(2, int(self.draft_steps * scale))
+        r.draft_cycle2_steps = max(2, int(self.draft_cycle2_steps * scale))
         r.gen_sequences = max(2 * self.gen_batch // 8, int(self.gen_sequences * scale))
         r.gen_batch = min(self.gen_batch, r.gen_sequences // 2)
         r.eval_prompts = max(4, int(self.eval_prompts * scale))
@@ -114,6 +119,12 @@ TARGET_PHASE_FIELDS = (
     "seed", "heldout_frac", "bpe_vocab", "hidden", "target_layers", "heads", "kv_heads", "head_dim",
     "intermediate", "rope_theta", "max_position_embeddings", "target_steps", "target_batch", "target_seq",
     "target_lr", "target_wd", "warmup_frac", "final_lr_frac", "grad_clip",
+)
+# ... and those that also determine generations A and draft cycle 1; ``--resume`` reuses a saved cycle 1.
+CYCLE1_FIELDS = TARGET_PHASE_FIELDS + (
+    "gen_sequences", "gen_prefix", "gen_len", "gen_batch", "gen_temperature", "draft_val_frac", "draft_layers",
+    "block_size", "target_layer_ids", "draft_steps", "draft_batch", "draft_anchors", "draft_lr", "draft_wd",
+    "loss_gamma", "tie_k_norm",
 )
 
 
@@ -534,18 +545,20 @@ def draft_logits(draft: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor,
     return hidden @ lm_head.T.to(hidden.dtype)
 
 
-def train_draft(draft: DFlashDraft, embed, lm_head, data: dict, n_train: int, r: Recipe, mask_id: int, seed: int) -> dict:
+def train_draft(draft: DFlashDraft, embed, lm_head, data: dict, n_train: int, r: Recipe, mask_id: int, seed: int,
+                steps: int, peak_lr: float) -> dict:
+    """One cycle: ``steps`` AdamW steps, warmup + cosine from ``peak_lr`` (fresh optimiser state)."""
     gen = torch.Generator().manual_seed(seed)
     B = r.block_size
     w = depth_weights(B, r.loss_gamma)
     lo, hi = r.gen_prefix - 1, r.gen_len - B  # anchors so all B-1 labels are generated tokens
-    opt = torch.optim.AdamW(draft.parameters(), lr=r.draft_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=r.draft_wd)
+    opt = torch.optim.AdamW(draft.parameters(), lr=peak_lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=r.draft_wd)
     draft.train()
     ema, t0, hist = None, time.time(), []
     labels_off = torch.arange(1, B)
-    for step in range(r.draft_steps):
+    for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, r.draft_steps, r.draft_lr, r)
+            g["lr"] = lr_at(step, steps, peak_lr, r)
         rows = torch.randint(0, n_train, (r.draft_batch,), generator=gen)
         anchors = (torch.randperm(hi - lo + 1, generator=gen)[: r.draft_anchors] + lo).sort().values
         ids = data["ids"][rows].long()
@@ -560,13 +573,13 @@ def train_draft(draft: DFlashDraft, embed, lm_head, data: dict, n_train: int, r:
         torch.nn.utils.clip_grad_norm_(draft.parameters(), r.grad_clip)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
-        if step % 100 == 0 or step == r.draft_steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             el = time.time() - t0
             hist.append({"step": step, "loss_ema": round(ema, 4), "elapsed_s": round(el, 1)})
-            log(f"draft step {step}/{r.draft_steps} loss(ema) {ema:.3f} {el:.0f}s")
+            log(f"draft step {step}/{steps} loss(ema) {ema:.3f} {el:.0f}s")
     draft.eval()
-    return {"steps": r.draft_steps, "final_train_loss_ema": ema, "train_s": time.time() - t0,
-            "blocks_seen": r.draft_steps * r.draft_batch * r.draft_anchors, "history": hist}
+    return {"steps": steps, "peak_lr": peak_lr, "final_train_loss_ema": ema, "train_s": time.time() - t0,
+            "blocks_seen": steps * r.draft_batch * r.draft_anchors, "history": hist}
 
 
 @torch.no_grad()
@@ -757,6 +770,18 @@ def make_heldout_snippets(heldout: list[tuple[str, list[int]]], n: int, length: 
     return out
 
 
+def _generations(target: "CachedTarget", stream: torch.Tensor, r: Recipe, seed: int, name: str) -> tuple[dict, float, dict]:
+    """Generations for one draft cycle; the last ``draft_val_frac`` of the sequences are held out."""
+    t0 = time.time()
+    data = generate_training_data(target, stream, r, seed)
+    n_seq = data["ids"].shape[0]
+    data["n_val"] = max(1, int(round(r.draft_val_frac * n_seq)))
+    elapsed = time.time() - t0
+    log(f"generations {name}: {n_seq} sequences in {elapsed:.0f}s")
+    return data, elapsed, {"sequences": n_seq, "generated_tokens": n_seq * (r.gen_len - r.gen_prefix),
+                           "greedy_batch_frac": data["greedy_frac"], "val_sequences": data["n_val"], "seed": seed}
+
+
 def sha256_texts(texts: list[str]) -> str:
     h = hashlib.sha256()
     for t in texts:
@@ -858,29 +883,50 @@ def main(argv: list[str] | None = None) -> None:
                        **{k: record[k] for k in ("target_params", "target_train", "target_heldout")}}, f)
     log(f"target held-out loss {record['target_heldout']['loss_nats_per_token']:.4f} nats/token ({times['target_s']:.0f}s)")
 
-    # 3. generations --------------------------------------------------------------------------
-    t0 = time.time()
-    data = generate_training_data(CachedTarget(model, r.target_layer_ids), train_stream, r, r.seed + 2)
-    times["generation_s"] = time.time() - t0
-    n_seq = data["ids"].shape[0]
-    n_val = max(1, int(round(r.draft_val_frac * n_seq)))
-    record["generation"] = {"sequences": n_seq, "generated_tokens": n_seq * (r.gen_len - r.gen_prefix),
-                            "greedy_batch_frac": data["greedy_frac"], "val_sequences": n_val}
-    log(f"generated {n_seq} sequences in {times['generation_s']:.0f}s")
-
-    # 4. draft --------------------------------------------------------------------------------
-    t0 = time.time()
-    torch.manual_seed(r.seed + 3)
-    draft = DFlashDraft(r)
+    # 3 + 4. generations A -> draft cycle 1; generations B -> draft cycle 2 (warm restart) ----------
+    target = CachedTarget(model, r.target_layer_ids)
     embed = model.model.embed_tokens.weight.detach()
     lm_head = model.lm_head.weight.detach()
+    torch.manual_seed(r.seed + 3)
+    draft = DFlashDraft(r)
     record["draft_params"] = sum(p.numel() for p in draft.parameters())
-    record["draft_train"] = train_draft(draft, embed, lm_head, data, n_seq - n_val, r, mask_id, r.seed + 4)
+    cycle1_file, cycle1_dir = os.path.join(out, "draft_cycle1.json"), os.path.join(out, "draft_cycle1")
+    saved = None
+    if args.resume and os.path.exists(cycle1_file):
+        with open(cycle1_file) as f:
+            saved = json.load(f)
+        if any(saved["recipe"][k] != v for k, v in asdict(r).items() if k in CYCLE1_FIELDS):
+            saved = None
+    if saved is not None:
+        from safetensors.torch import load_file
+
+        draft.load_state_dict(load_file(os.path.join(cycle1_dir, "model.safetensors")))
+        record.update(generation_a=saved["generation_a"], draft_cycle1=saved["draft_cycle1"])
+        times.update(generation_a_s=saved["generation_a_s"], draft_cycle1_s=saved["draft_cycle1_s"])
+        record["draft_cycle1_resumed_from_previous_run"] = True
+        log("draft cycle 1 resumed from a previous run with the same recipe")
+    else:
+        data, times["generation_a_s"], record["generation_a"] = _generations(target, train_stream, r, r.seed + 2, "A")
+        t0 = time.time()
+        record["draft_cycle1"] = train_draft(draft, embed, lm_head, data, data["ids"].shape[0] - data["n_val"], r,
+                                             mask_id, r.seed + 4, r.draft_steps, r.draft_lr)
+        times["draft_cycle1_s"] = time.time() - t0
+        del data
+        save_draft(draft, r, vocab, mask_id, cycle1_dir)
+        with open(cycle1_file, "w") as f:
+            json.dump({"recipe": asdict(r), **{k: record[k] for k in ("generation_a", "draft_cycle1")},
+                       **{k: times[k] for k in ("generation_a_s", "draft_cycle1_s")}}, f)
+    data, times["generation_b_s"], record["generation_b"] = _generations(target, train_stream, r, r.seed + 7, "B")
+    n_seq, n_val = data["ids"].shape[0], data["n_val"]
+    t0 = time.time()
+    record["draft_cycle2"] = train_draft(draft, embed, lm_head, data, n_seq - n_val, r, mask_id, r.seed + 8,
+                                         r.draft_cycle2_steps, r.draft_cycle2_lr)
+    times["draft_cycle2_s"] = time.time() - t0
     save_draft(draft, r, vocab, mask_id, ddir)
-    times["draft_s"] = time.time() - t0
-    # sum of the phases (a --resume run adds the target phase's time from the run that trained it)
-    t_train = sum(times[k] for k in ("corpus_tokenizer_s", "target_s", "generation_s", "draft_s"))
-    log(f"draft trained ({times['draft_s']:.0f}s); training pipeline {t_train:.0f}s")
+    # sum of the phases (a --resume run adds the times of the phases it reused)
+    t_train = sum(times[k] for k in ("corpus_tokenizer_s", "target_s", "generation_a_s", "draft_cycle1_s",
+                                     "generation_b_s", "draft_cycle2_s"))
+    log(f"draft trained; training pipeline {t_train:.0f}s")
 
     # 5. evaluation ---------------------------------------------------------------------------
     t0 = time.time()
