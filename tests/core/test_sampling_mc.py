@@ -161,3 +161,28 @@ def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():
     big = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(1), seeds={0: 2**64 - 5}), positions)
     wrapped = sample_tree_tokens(logits, TreeSamplingParams(temperature=torch.ones(1), seeds={0: -5}), positions)
     assert torch.equal(big, wrapped)
+
+
+@given(
+    st.integers(1, 5),
+    st.sampled_from([1, 2, 63, 64, 65, 128, 130, 300]),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["normal", "few values", "with -inf", "with nan", "all -inf"]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
+    """Ties (many equal values), -inf, NaN, vocab below / at / around multiples of the block."""
+    from vllm_ddtree.core.sampling import argmax_first
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen)
+    if kind == "few values":
+        logits = torch.randint(0, 3, (rows, vocab), generator=gen).float()
+    elif kind == "with -inf":
+        logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
+    elif kind == "with nan":
+        logits[torch.rand(rows, vocab, generator=gen) < 0.01] = float("nan")
+    elif kind == "all -inf":
+        logits.fill_(float("-inf"))
+    logits = logits.to(dtype)
+    assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))

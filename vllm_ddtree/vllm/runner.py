@@ -224,9 +224,9 @@ class DDTreeModelRunner(CPUModelRunner):
         first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
         params = tree_sampling_params(self.input_batch.sampling_metadata, verify.req_indices)
-        node_logits = logits[first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets]
+        node_logit_rows = first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets
         draw_positions = verify.starts.unsqueeze(1) + verify.tree.depths + 1
-        target = sample_nodes(node_logits, draw_positions, params)
+        target = sample_nodes(logits, node_logit_rows, draw_positions, params)
         get_tp_group().broadcast(target, src=0)
         acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
         if self._step_clock is not None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
+from vllm_ddtree.core.sampling import argmax_first
 
 
 def tree_sampling_params(sampling_metadata: Any, req_indices: torch.Tensor) -> TreeSamplingParams:
@@ -38,9 +39,13 @@ def _rows(values: torch.Tensor | None, rows: Any) -> torch.Tensor | None:
     return None if values is None else values[rows]
 
 
-def sample_nodes(node_logits: torch.Tensor, draw_positions: torch.Tensor, params: TreeSamplingParams) -> torch.Tensor:
-    """[T, N, V] target logits at every (padded) node -> [T, N] the target's token at every node;
-    draw_positions [T, N]: the sequence position each node's token is drawn for (root position + depth + 1)."""
+def sample_nodes(
+    logits: torch.Tensor, node_logit_rows: torch.Tensor, draw_positions: torch.Tensor, params: TreeSamplingParams
+) -> torch.Tensor:
+    """The target's token [T, N] at every (padded) node, from the step's logits [rows, V] and the row of
+    each node's logits node_logit_rows [T, N]; draw_positions [T, N]: the sequence position each node's
+    token is drawn for (root position + depth + 1). Greedy batches take row argmaxes before selecting
+    nodes (no [T, N, V] copy)."""
     if params.all_greedy:
-        return node_logits.argmax(dim=-1)
-    return sample_tree_tokens(node_logits, params, draw_positions)
+        return argmax_first(logits)[node_logit_rows]
+    return sample_tree_tokens(logits[node_logit_rows], params, draw_positions)
