@@ -73,10 +73,9 @@ class DDTreeProposer(DFlashProposer):
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
         logits = self.model.compute_logits(hidden_states)
         with self.stage_times.stage(DRAFT_TOPK):
-            logits = logits.float()
-            top = logits.topk(min(self._candidates, logits.shape[-1]), dim=-1)
-            top_logprobs = top.values - logits.logsumexp(dim=-1, keepdim=True)
-        self._top = (top_logprobs, top.indices)
+            logprobs = logits.float().log_softmax(dim=-1)
+            top = logprobs.topk(min(self._candidates, logprobs.shape[-1]), dim=-1)
+        self._top = (top.values, top.indices)
         return top.indices[:, 0], None
 
 
