@@ -1,8 +1,10 @@
 """Side-by-side benchmark of DDTree against no speculation and a chain draft, over a configuration matrix.
 
 What is measured: for every (batch size, temperature) and every variant — no speculation, the chain
-baseline, DDTree at each budget — one timed `LLM.generate` of `batch` prompts together, `max_tokens`
-new tokens each (ignore_eos), repeated `--repeats` times; the table reports medians over repeats of
+baseline, DDTree at each budget — the same `--prompts` prompts (16), served `batch` at a time by
+consecutive timed `LLM.generate` calls (batch 1: 16 calls of one prompt), `max_tokens` new tokens each
+(ignore_eos), repeated `--repeats` times; every batch size thus sees the same text, and the table
+reports medians over repeats of
 
 * tokens per step: 1 + accepted draft tokens / drafts, from vLLM's own spec-decode counters read
   before and after the timed generation (1 without speculation);
@@ -24,7 +26,7 @@ has run, vLLM 0.32 cannot start another engine in the process.
 The pair is the demo's: the embedded trained pair with held-out code prompts (text).
 
     python benchmarks/bench.py [--quick] [--batches 1 4 16] [--budgets 8 16 32 64 128] [--temperatures 0 1]
-                               [--max-tokens 64] [--repeats 3] [--out benchmarks/results]
+                               [--prompts 16] [--max-tokens 64] [--repeats 3] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -82,13 +84,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts served at every batch size")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--quick", action="store_true", help="batches 1 4, budgets 8 32, T 0, repeats 1, max_tokens 32")
+    parser.add_argument("--quick", action="store_true", help="batches 1 4, budgets 8 32, T 0, repeats 1, 4 prompts, max_tokens 32")
     args = parser.parse_args(argv)
     if args.quick:
         args.batches, args.budgets, args.temperatures, args.repeats, args.max_tokens = [1, 4], [8, 32], [0.0], 1, 32
+        args.prompts = 4
     return args
 
 
@@ -139,13 +143,13 @@ def build_variants(draft: str, budgets: list[int], temperatures: list[float]) ->
     return variants
 
 
-def sampling_for(batch: int, temperature: float, max_tokens: int) -> Any:
-    """One greedy SamplingParams at T=0; at T>0 one seeded SamplingParams per prompt."""
+def sampling_for(prompt_indices: range, temperature: float, max_tokens: int) -> Any:
+    """One greedy SamplingParams at T=0; at T>0 one SamplingParams per prompt, seeded by its index."""
     from vllm import SamplingParams
 
     if temperature == 0:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in range(batch)]
+    return [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in prompt_indices]
 
 
 @dataclass
@@ -164,16 +168,21 @@ def stage_timer(llm: Any) -> Any:
     return getattr(runner, "stage_times", None)
 
 
-def timed_generate(llm: Any, prompts: list[Any], sampling: Any) -> TimedRun:
+def timed_generate(llm: Any, prompts: list[Any], batch: int, temperature: float, max_tokens: int) -> TimedRun:
+    """All `prompts`, `batch` per `LLM.generate` call; seconds are the calls' summed wall time."""
     timer = stage_timer(llm)
     if timer is not None:
         timer.reset()
     before = read_spec_counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, sampling, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    seconds, token_ids = 0.0, []
+    for first in range(0, len(prompts), batch):
+        group = range(first, min(first + batch, len(prompts)))
+        sampling = sampling_for(group, temperature, max_tokens)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts[group.start : group.stop], sampling, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        token_ids += [list(o.outputs[0].token_ids) for o in outputs]
     c = read_spec_counters(llm) - before
-    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     stages = None
     if timer is not None and timer.enabled:
         snapshot = timer.snapshot()
@@ -205,10 +214,10 @@ def measure_variant(
     llm = LLM(model=target, speculative_config=variant.speculative_config, **kwargs)
     results = []
     try:
-        llm.generate(prompts[:1], sampling_for(1, 0.0, args.max_tokens), use_tqdm=False)
+        llm.generate(prompts[:1], sampling_for(range(1), 0.0, args.max_tokens), use_tqdm=False)
         for temperature in variant.temperatures:
             for batch in args.batches:
-                runs = [timed_generate(llm, prompts[:batch], sampling_for(batch, temperature, args.max_tokens)) for _ in range(args.repeats)]
+                runs = [timed_generate(llm, prompts, batch, temperature, args.max_tokens) for _ in range(args.repeats)]
                 results.append(
                     Measurement(
                         variant=variant.name,
@@ -401,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[Measurement] = []
     errors: list[dict[str, str]] = []
-    target, draft, prompts = select_pair(max(args.batches))
+    target, draft, prompts = select_pair(args.prompts)
     print(f"target {target}\ndraft  {draft}", flush=True)
     for variant in build_variants(draft, args.budgets, args.temperatures):
         start = time.perf_counter()
