@@ -281,6 +281,13 @@ def target_checks(results: list[Measurement]) -> list[str]:
         if fixed:
             best = max(fixed, key=lambda m: m.tokens_per_second)
             lines.append(f"{tag} best fixed budget {best.budget}: {fmt_speedup(best.speedup_vs_chain)} the chain's tokens/s")
+            timed = [m for m in fixed if m.stage_ms_per_step and m.speedup_vs_chain is not None]
+            if timed:  # what the tree shapes would give if DDTree's own stages cost nothing
+                bound = max(timed, key=lambda m: m.speedup_vs_chain / (1 - overhead_fraction(m.stage_ms_per_step)))
+                lines.append(
+                    f"{tag} with DDTree's own stages at zero cost, best budget {bound.budget} would be "
+                    f"{bound.speedup_vs_chain / (1 - overhead_fraction(bound.stage_ms_per_step)):.2f}x the chain's tokens/s"
+                )
             if adaptive is not None:
                 lines.append(f"{tag} adaptive / best fixed tokens/s = {adaptive.tokens_per_second / best.tokens_per_second:.3f}")
         for m in fixed:
