@@ -49,7 +49,8 @@ EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pyc
 
 @dataclass
 class Recipe:
-    """Every knob of the run. Step counts are sized for <= 60 min on 2 idle Zen-5 cores."""
+    """Every knob of the run. Target + draft cycle 1 were sized for about 60 min on 2 idle cores
+    (from shorter runs, not verified end to end); draft cycle 2 adds about 25 min."""
 
     seed: int = 0
     heldout_frac: float = 0.05
