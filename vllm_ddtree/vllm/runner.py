@@ -219,7 +219,7 @@ class DDTreeModelRunner(CPUModelRunner):
                 get_tp_group().broadcast(output.sampled_token_ids, src=0)
                 return output
             assert logits is not None
-            plain = self.sampler(logits[spec_decode_metadata.bonus_logits_indices], self.input_batch.sampling_metadata)
+            plain = self.sampler(logits.index_select(0, spec_decode_metadata.bonus_logits_indices), self.input_batch.sampling_metadata)
         num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
         first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
         node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)

@@ -48,4 +48,5 @@ def sample_nodes(
     nodes (no [T, N, V] copy)."""
     if params.all_greedy:
         return argmax_first(logits)[node_logit_rows]
-    return sample_tree_tokens(logits[node_logit_rows], params, draw_positions)
+    node_logits = logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1)  # not logits[rows]: 6x slower on CPU
+    return sample_tree_tokens(node_logits, params, draw_positions)

@@ -151,7 +151,15 @@ class TreeVerifyBatch:
         mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
         mask = torch.where(valid.unsqueeze(2), mask, mask[:, :1])
         bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
-        return TreeAttention(query_rows=self.node_rows()[branching], block_ids=block_ids, bias=bias, valid=valid)
+        query_rows = self.node_rows()[branching].flatten()
+        valid_nodes = valid.flatten().nonzero().squeeze(1)
+        return TreeAttention(
+            query_rows=query_rows,
+            block_ids=block_ids,
+            bias=bias,
+            valid_nodes=valid_nodes,
+            valid_rows=query_rows.index_select(0, valid_nodes),
+        )
 
 
 @dataclass(frozen=True)
