@@ -186,3 +186,11 @@ def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
         logits.fill_(float("-inf"))
     logits = logits.to(dtype)
     assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
+
+
+def test_inplace_sampling_draws_the_same_tokens():
+    logits = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(2))
+    params = TreeSamplingParams(temperature=torch.tensor([0.0, 0.7, 1.3]), top_k=torch.tensor([0, 5, 0]), seeds={0: 1, 1: 2, 2: 3})
+    positions = torch.arange(15).view(3, 5)
+    copied = sample_tree_tokens(logits, params, positions)
+    assert torch.equal(sample_tree_tokens(logits.clone(), params, positions, inplace=True), copied)

@@ -52,13 +52,14 @@ def _per_row(values: torch.Tensor, nodes: int) -> torch.Tensor:
     return values.repeat_interleave(nodes).unsqueeze(1)
 
 
-def process_logits(logits: torch.Tensor, params: TreeSamplingParams) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: TreeSamplingParams, inplace: bool = False) -> torch.Tensor:
     """[R, N, V] logits -> [R, N, V] float32 logits of the distribution plain sampling draws from.
 
     Masked tokens are -inf. Rows of greedy requests are processed with temperature 1 (unused).
+    inplace: a contiguous float32 `logits` is overwritten instead of copied (callers' scratch copies).
     """
     num_req, nodes, vocab = logits.shape
-    flat = logits.reshape(num_req * nodes, vocab).to(torch.float32, copy=True)
+    flat = logits.reshape(num_req * nodes, vocab).to(torch.float32, copy=not inplace)
     temperature = torch.where(params.is_greedy, 1.0, params.temperature.to(torch.float32))
     flat.div_(_per_row(temperature, nodes))
     if params.min_p is not None:
@@ -87,16 +88,18 @@ def _apply_top_k_top_p(flat: torch.Tensor, params: TreeSamplingParams, nodes: in
     return flat.scatter_(1, order, ascending)
 
 
-def sample_tree_tokens(logits: torch.Tensor, params: TreeSamplingParams, positions: torch.Tensor | None = None) -> torch.Tensor:
+def sample_tree_tokens(
+    logits: torch.Tensor, params: TreeSamplingParams, positions: torch.Tensor | None = None, inplace: bool = False
+) -> torch.Tensor:
     """[R, N, V] target logits at every node -> [R, N] the target's token at every node.
 
     positions [R, N]: the sequence position of the token each node draws (its depth + 1 past the
-    root's position); needed when any request is seeded."""
+    root's position); needed when any request is seeded. inplace: `logits` may be overwritten."""
     greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2])
     all_greedy = bool(params.is_greedy.all()) if params.all_greedy is None else params.all_greedy
     if all_greedy:
         return greedy_tokens
-    processed = process_logits(logits, params)
+    processed = process_logits(logits, params, inplace)
     probs = processed.sub_(processed.amax(dim=-1, keepdim=True)).exp_()  # unnormalised: inverse_cdf scales
     uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
     if params.seeds:

@@ -49,4 +49,4 @@ def sample_nodes(
     if params.all_greedy:
         return argmax_first(logits)[node_logit_rows]
     node_logits = logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1)  # not logits[rows]: 6x slower on CPU
-    return sample_tree_tokens(node_logits, params, draw_positions)
+    return sample_tree_tokens(node_logits, params, draw_positions, inplace=True)
