@@ -112,7 +112,7 @@ class DDTreeModelRunner(CPUModelRunner):
     # ---- stage timing (benchmarks: VLLM_DDTREE_STAGE_TIMES=1) -------------------------------------
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.drafter.budget_policy is not None:
-            self._clock_step(len(scheduler_output.num_scheduled_tokens))
+            self._clock_step(scheduler_output)
         with self.stage_times.stage(STEP):
             return super().execute_model(scheduler_output, *args, **kwargs)
 
@@ -129,17 +129,20 @@ class DDTreeModelRunner(CPUModelRunner):
             return super()._model_forward(*args, **kwargs)
 
     # ---- adaptive budget: what each step's tree shape achieved ------------------------------------
-    def _clock_step(self, num_reqs: int) -> None:
+    def _clock_step(self, scheduler_output: Any) -> None:
         """Report the previous step (the tree shape it verified, the tokens it committed, the time from
         its start to this one: the runner's work plus the engine's per-step overhead) to the budget
-        policy, unless the engine sat idle in between; start timing this step."""
+        policy, unless the engine sat idle in between or the step also prefilled prompt tokens (its time
+        says nothing about the shape); start timing this step."""
         now = time.perf_counter()
         last = self._step_clock
         if last is not None and last.tokens > 0 and 0 <= last.busy and now - last.start < 2 * last.busy + 0.02:
             used = last.accepted.get(last.shape, 0)
             tokens = {shape: last.tokens - used + gain for shape, gain in last.accepted.items()} or {last.shape: last.tokens}
             self.drafter.budget_policy.observe(last.requests, last.shape, now - last.start, tokens)
-        self._step_clock = StepClock(num_reqs, self.drafter.last_shape, now) if num_reqs else None
+        scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+        decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
+        self._step_clock = StepClock(len(scheduled), self.drafter.last_shape, now) if scheduled and decode_only else None
 
     # ---- 1. verify inputs -------------------------------------------------------------------------
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
