@@ -290,6 +290,12 @@ def target_checks(results: list[Measurement]) -> list[str]:
                 )
             if adaptive is not None:
                 lines.append(f"{tag} adaptive / best fixed tokens/s = {adaptive.tokens_per_second / best.tokens_per_second:.3f}")
+                if width1 is not None:  # the chain shape is one of the adaptive budget's candidates too
+                    best_shape = max(fixed + [width1], key=lambda m: m.tokens_per_second)
+                    lines.append(
+                        f"{tag} adaptive / best fixed shape ({best_shape.variant}) tokens/s = "
+                        f"{adaptive.tokens_per_second / best_shape.tokens_per_second:.3f}"
+                    )
         for m in fixed:
             if m.stage_ms_per_step:
                 lines.append(f"{tag} budget {m.budget}: DDTree overhead {100 * overhead_fraction(m.stage_ms_per_step):.1f}% of step time")

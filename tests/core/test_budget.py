@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, batch_bucket, candidate_shapes, nested_shapes
+from tests.core.strategies import draft_tables
+from vllm_ddtree.core import accept_tree, build_draft_trees
+from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, batch_bucket, candidate_shapes, chain_accepted, nested_shapes
 
 
 @given(st.integers(1, 2048), st.integers(0, 15))
@@ -58,7 +63,7 @@ def test_walks_down_to_off_when_speculation_does_not_pay():
 
 def test_switches_when_the_fastest_shape_changes_and_falls_back_to_off():
     shapes = candidate_shapes(16, 7)
-    policy = AdaptiveBudget(shapes, explore=0.1, decay=0.8)
+    policy = AdaptiveBudget(shapes, explore=0.1, seconds_decay=0.8, tokens_decay=0.8)
     simulate(policy, {s: 100.0 + s.budget for s in shapes}, 200)  # big trees pay (100.0 + budget)
     late = simulate(policy, {s: 100.0 - s.budget for s in shapes}, 400)[-100:]  # now nothing pays
     assert late.count(TreeShape(0, 1)) >= 85
@@ -92,12 +97,65 @@ def test_nested_shapes_are_the_prefix_trees_of_the_used_shape():
 
 
 def test_counterfactual_tokens_need_only_timing_to_compare():
-    """Tokens of nested trees come with every step of the big one; a shape is ranked once it is timed."""
+    """Tokens of nested trees come with every step of the big one; a shape is ranked once it is timed
+    (its first step in a bucket is not timed)."""
     shapes = candidate_shapes(16, 7)
     policy = AdaptiveBudget(shapes, explore=0.0, warmup=1)
     tokens = {TreeShape(0, 1): 1.0, TreeShape(4): 2.0, TreeShape(8): 2.5, TreeShape(16): 2.6}
+    policy.observe(1, TreeShape(16), 0.5, tokens)  # first step: one-time costs, not timed
+    assert policy.tokens_per_second(0, TreeShape(16)) is None
     policy.observe(1, TreeShape(16), 0.02, tokens)
-    assert policy.tokens_per_second(0, TreeShape(16)) == 2.6 / 0.02
+    assert policy.tokens_per_second(0, TreeShape(16)) == pytest.approx(2.6 / 0.02)
     assert policy.tokens_per_second(0, TreeShape(8)) is None  # counted, not yet timed
-    policy.observe(1, TreeShape(8), 0.01, {s: tokens[s] for s in nested_shapes(shapes, TreeShape(8))})
-    assert policy.tokens_per_second(0, TreeShape(8)) == 2.5 / 0.01
+    for _ in range(2):
+        policy.observe(1, TreeShape(8), 0.01, {s: tokens[s] for s in nested_shapes(shapes, TreeShape(8))})
+    assert policy.tokens_per_second(0, TreeShape(8)) == pytest.approx(2.5 / 0.01)
+    assert policy.tokens_per_second(1, TreeShape(8)) is None  # another batch bucket: its own first step
+
+
+def prefix_target(token_ids: torch.Tensor, seed: int, vocab: int = 16):
+    """A deterministic target: its token after request r's draft path `prefix` (a tuple of tokens).
+    Often the draft's rank-0 token at the next depth (long rank-0 runs), else rank 1 or any token."""
+    rng, memo = random.Random(seed), {}
+    depth, topk = token_ids.shape[1:]
+
+    def target(r: int, prefix: tuple[int, ...]) -> int:
+        if (r, prefix) not in memo:
+            u, d = rng.random(), len(prefix)
+            ranked = token_ids[r, d].tolist() if d < depth else []
+            memo[r, prefix] = ranked[0] if u < 0.7 and ranked else ranked[1] if u < 0.85 and topk > 1 and ranked else rng.randrange(vocab)
+        return memo[r, prefix]
+
+    return target
+
+
+def node_paths(tree, r: int) -> list[tuple[int, ...]]:
+    """Token path (root excluded) of every node of request r."""
+    paths: list[tuple[int, ...]] = [()]
+    for i in range(1, tree.nodes_per_request):
+        parent = int(tree.parents[r, i])
+        paths.append(paths[parent] + (int(tree.token_ids[r, i]),) if tree.valid[r, i] else ())
+    return paths
+
+
+@given(draft_tables(max_depth=6), st.integers(0, 40), st.integers(1, 7), st.integers(0, 2**31 - 1))
+def test_chain_tokens_read_off_a_tree_equal_the_chains_own_walk(table, budget, chain_depth, seed):
+    """Against the chain's own verify walk under the same target: equal, except where the tree ends
+    just below the chain's accepted run (then a lower bound), which best-first trees do only when they
+    hold no node one depth deeper."""
+    roots, logprobs, token_ids = table
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    target = prefix_target(token_ids, seed)
+    target_at_nodes = torch.tensor([[target(r, p) for p in node_paths(tree, r)] for r in range(roots.shape[0])])
+    read_off = chain_accepted(tree, accept_tree(tree, target_at_nodes).accepted_nodes, chain_depth)
+    for r in range(roots.shape[0]):
+        chain: list[int] = []
+        while len(chain) < min(chain_depth, token_ids.shape[1]) and logprobs[r, len(chain), 0] > float("-inf"):
+            if target(r, tuple(chain)) != int(token_ids[r, len(chain), 0]):
+                break
+            chain.append(int(token_ids[r, len(chain), 0]))
+        run = int(read_off[r])
+        assert run <= len(chain)
+        if run < len(chain):
+            depths = tree.depths[r][tree.valid[r]]
+            assert not (depths == run + 1).any()

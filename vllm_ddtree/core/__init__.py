@@ -5,7 +5,7 @@ Imports torch only, never vLLM; every function is batched over the requests of a
 """
 
 from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
-from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, candidate_shapes, nested_shapes
+from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, candidate_shapes, chain_accepted, nested_shapes
 from vllm_ddtree.core.kv_plan import KVCompactionPlan, compact_rows_, kv_compaction_plan
 from vllm_ddtree.core.sampling import TreeSamplingParams, process_logits, sample_tree_tokens
 from vllm_ddtree.core.tree import DraftTree, build_draft_trees, tree_attention_mask
@@ -20,6 +20,7 @@ __all__ = [
     "accept_tree",
     "build_draft_trees",
     "candidate_shapes",
+    "chain_accepted",
     "compact_rows_",
     "kv_compaction_plan",
     "max_path_length",

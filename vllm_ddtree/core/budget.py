@@ -4,10 +4,18 @@ Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still
 context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
 the configured cap (the cap itself included), ordered by node count. For every batch-size bucket (1,
 2-3, 4-7, ...) we keep decayed means of committed tokens per step and of seconds per step for each
-candidate. Seconds are measured for the shape a step used. Tokens are measured for it AND for every
+candidate. Seconds are measured for the shape a step used, except its first step in the bucket (one-
+time costs: new tensor shapes, caches), and follow only shape and batch, so they decay fast. Tokens
+follow the text (a repetition loop accepts every draft, fresh code few), so they are averaged over
+about a hundred steps. Tokens are measured for the shape a step used AND for every
 candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
 of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
 accepted exactly the accepted path's nodes of index <= b (off: none) — paired, noise-free comparisons.
+The chain is no prefix of a tree, but a best-first tree at least as deep holds the chain's nodes as far
+as it reaches (each depth's rank-0 path node is that depth's best node), so the chain's tokens come
+with every tree step too (`chain_accepted`); without them the chain would be measured only on its own
+steps, on other text than the trees it is compared with. (A tree ending right below the chain's
+accepted run gives a lower bound; best-first trees of 8 or more nodes rarely do: about 1% low.)
 A choice is held for `hold` steps. Choices climb the ordered list (speed peaks at an intermediate
 size, and far sizes can be very slow, so they are never tried blindly): start at the first tree of at
 least 8 nodes (or the cap); then take the best measured tokens per second, after each of its two
@@ -19,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from vllm_ddtree.core.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,21 @@ def nested_shapes(shapes: list[TreeShape], used: TreeShape) -> list[TreeShape]:
     return [s for s in shapes if s.budget == 0 or s == used or (used.topk is None and s.topk is None and s.budget <= used.budget)]
 
 
+def chain_accepted(tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: int) -> torch.Tensor:
+    """Draft tokens [R] the chain (each depth's rank-0 token, `chain_depth` deep) would have accepted
+    in this step, read off a verified tree and its accepted path accepted_nodes [R, D] (root first,
+    -1 padded): the accepted path's leading run of rank-0 nodes, capped at `chain_depth`.
+
+    The chain walks the same nodes with the same target tokens while the path stays on rank 0, and
+    stops where the path leaves it (the target's token is not the rank-0 one) or stops below a rank-0
+    child (the target rejected it). Exact, except where the tree holds no rank-0 child below the run's
+    last node because it ends there (shallower than `chain_depth`, or cut): then a lower bound.
+    """
+    path = accepted_nodes[:, 1:]
+    on_rank0 = (path >= 0) & (tree.ranks.gather(1, path.clamp(min=0)) == 0)
+    return on_rank0.long().cumprod(1).sum(1).clamp(max=chain_depth)
+
+
 @dataclass
 class AdaptiveBudget:
     """The policy of the module rule over `shapes` (from `candidate_shapes`)."""
@@ -81,10 +106,12 @@ class AdaptiveBudget:
     hold: int = 4
     warmup: int = 1
     explore: float = 0.05
-    decay: float = 0.95
+    seconds_decay: float = 0.95
+    tokens_decay: float = 0.99
     seed: int = 0
     tokens: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
     seconds: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
+    _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
     _bucket: int = -1
     _held: int = 0
@@ -102,12 +129,15 @@ class AdaptiveBudget:
         """A step verified trees of shape `used` in `seconds`; tokens[s] = tokens it committed (s = used)
         or would have committed (s nested in used, see `nested_shapes`)."""
         bucket = batch_bucket(num_requests)
-        self.seconds.setdefault((bucket, used), DecayedMean()).add(seconds, self.decay)
+        if (bucket, used) in self._untimed_first_steps:
+            self.seconds.setdefault((bucket, used), DecayedMean()).add(seconds, self.seconds_decay)
+        self._untimed_first_steps.add((bucket, used))
         for shape, count in tokens.items():
-            self.tokens.setdefault((bucket, shape), DecayedMean()).add(count, self.decay)
+            self.tokens.setdefault((bucket, shape), DecayedMean()).add(count, self.tokens_decay)
 
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
-        """Measured rate, or None until the shape has been timed `warmup` times in this bucket."""
+        """Measured rate, or None until the shape has been timed `warmup` times in this bucket (after its
+        untimed first step)."""
         seconds, tokens = self.seconds.get((bucket, shape)), self.tokens.get((bucket, shape))
         if seconds is None or tokens is None or seconds.steps < self.warmup or seconds.mean <= 0:
             return None

@@ -37,6 +37,7 @@ from vllm_ddtree.core import (
     TreeAcceptance,
     TreeShape,
     accept_tree,
+    chain_accepted,
     compact_rows_,
     kv_compaction_plan,
     nested_shapes,
@@ -249,14 +250,19 @@ class DDTreeModelRunner(CPUModelRunner):
         self, used: TreeShape, verify: TreeVerifyBatch, acceptance: TreeAcceptance
     ) -> dict[TreeShape, int]:
         """Accepted draft tokens of this step, and those of each smaller candidate whose tree is a prefix
-        of this one (path nodes of index <= its budget), for the budget policy. Shapes larger than the
-        smallest scheduled tree are left out (the scheduler may have cut trees)."""
+        of this one (path nodes of index <= its budget), and of the chain when this step's trees reach
+        its depth (`chain_accepted`), for the budget policy. Shapes larger than the smallest scheduled
+        tree are left out (the scheduler may have cut trees)."""
+        shapes = self.drafter.budget_policy.shapes
         path = acceptance.accepted_nodes[:, 1:]
         accepted = {used: int((path > 0).sum())}
         smallest = int(verify.tree.num_nodes.min()) - 1
-        for shape in nested_shapes(self.drafter.budget_policy.shapes, used):
+        for shape in nested_shapes(shapes, used):
             if shape != used and shape.budget <= smallest:
                 accepted[shape] = int(((path > 0) & (path <= shape.budget)).sum())
+        chain = next((shape for shape in shapes if shape.topk == 1 and shape.budget > 0), None)
+        if chain is not None and used.topk is None and chain.budget <= smallest:
+            accepted[chain] = int(chain_accepted(verify.tree, acceptance.accepted_nodes, chain.budget).sum())
         return accepted
 
     def _discarded_generators(self) -> dict[int, torch.Generator]:
