@@ -6,8 +6,8 @@ consecutive timed `LLM.generate` calls (batch 1: 16 calls of one prompt), `max_t
 (ignore_eos), repeated `--repeats` times; every batch size thus sees the same text, and the table
 reports medians over repeats of
 
-* tokens per step: 1 + accepted draft tokens / drafts, from vLLM's own spec-decode counters read
-  before and after the timed generation (1 without speculation);
+* tokens per step: 1 + accepted draft tokens / decode steps, from vLLM's own spec-decode counters
+  read before and after the timed generation (`tokens_per_decode_step`; 1 without speculation);
 * output tokens/s: generated tokens / wall-clock seconds of the timed generation;
 * speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature);
 * for DDTree engines, milliseconds per engine step by stage (`vllm_ddtree.vllm.stage_times`: draft
@@ -41,7 +41,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from vllm_ddtree.demo.side_by_side import ENGINE_DEFAULTS, configure_cpu_environment, read_spec_counters, shutdown
+from vllm_ddtree.demo.side_by_side import (
+    ENGINE_DEFAULTS,
+    configure_cpu_environment,
+    read_spec_counters,
+    shutdown,
+    tokens_per_decode_step,
+)
 from vllm_ddtree.vllm.stage_times import ENV_FLAG as STAGE_TIMES_FLAG
 
 MAX_MODEL_LEN = 1024
@@ -190,7 +196,7 @@ def timed_generate(llm: Any, prompts: list[Any], batch: int, temperature: float,
         stages = {name: 1000 * value / steps for name, value in snapshot.items()}
     return TimedRun(
         seconds=seconds,
-        tokens_per_step=1.0 + c.accepted / c.drafts if c.drafts else 1.0,
+        tokens_per_step=tokens_per_decode_step(c, sum(map(len, token_ids)), len(token_ids)),
         tokens_per_second=sum(map(len, token_ids)) / seconds,
         acceptance_per_position=[a / c.drafts for a in c.accepted_per_position] if c.drafts else [],
         token_ids=token_ids,

@@ -1,9 +1,8 @@
 """Run one target under several speculative configurations, in one process, on the same prompts.
 
 Each variant gets a fresh in-process vLLM engine, a warm-up generation, then one timed generation.
-Tokens per step comes from vLLM's own spec-decode counters over the timed generation only:
-1 + accepted draft tokens / drafts (a "draft" is one request's proposal in one step); 1 without
-speculation.
+Tokens per step comes from vLLM's own spec-decode counters over the timed generation only (see
+`tokens_per_decode_step`); 1 without speculation.
 """
 
 from __future__ import annotations
@@ -83,14 +82,27 @@ class RunStats:
 
     @property
     def tokens_per_step(self) -> float:
-        c = self.counters
-        return 1.0 + c.accepted / c.drafts if c.drafts else 1.0
+        return tokens_per_decode_step(self.counters, self.output_tokens, len(self.token_ids))
 
     @property
     def acceptance_per_position(self) -> list[float]:
         """P(draft position k accepted) per verify step, k = 1, 2, ..."""
         c = self.counters
         return [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
+
+
+def tokens_per_decode_step(counters: SpecCounters, output_tokens: int, requests: int) -> float:
+    """Committed tokens per decode step: 1 + accepted draft tokens / decode steps.
+
+    vLLM counts a "draft" (one request's proposal in one step) only when a step proposed tokens, so for
+    a method that sometimes proposes none (n-gram without a match) 1 + accepted / drafts counts only
+    its lucky steps. Every decode step commits its accepted drafts + 1 token, and the prefill each
+    request's first, so decode steps = output tokens - requests - accepted. (An accepted draft past
+    max_tokens is counted but not output; then this falls below drafts, which are exact for methods
+    that draft at every step, and drafts are taken.)
+    """
+    decode_steps = max(counters.drafts, output_tokens - requests - counters.accepted)
+    return 1.0 + counters.accepted / decode_steps if decode_steps > 0 else 1.0
 
 
 def read_spec_counters(llm: Any) -> SpecCounters:

@@ -254,16 +254,17 @@ class DDTreeModelRunner(CPUModelRunner):
         its depth (`chain_accepted`), for the budget policy. Shapes larger than the smallest scheduled
         tree are left out (the scheduler may have cut trees)."""
         shapes = self.drafter.budget_policy.shapes
-        path = acceptance.accepted_nodes[:, 1:]
-        accepted = {used: int((path > 0).sum())}
         smallest = int(verify.tree.num_nodes.min()) - 1
-        for shape in nested_shapes(shapes, used):
-            if shape != used and shape.budget <= smallest:
-                accepted[shape] = int(((path > 0) & (path <= shape.budget)).sum())
+        nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
         chain = next((shape for shape in shapes if shape.topk == 1 and shape.budget > 0), None)
-        if chain is not None and used.topk is None and chain.budget <= smallest:
-            accepted[chain] = int(chain_accepted(verify.tree, acceptance.accepted_nodes, chain.budget).sum())
-        return accepted
+        with_chain = chain is not None and used.topk is None and chain.budget <= smallest
+        path = acceptance.accepted_nodes[:, 1:].unsqueeze(-1)
+        budgets = torch.tensor([shape.budget for shape in nested])
+        counts = ((path > 0) & (path <= budgets)).sum((0, 1))  # one host sync for all shapes
+        if with_chain:
+            counts = torch.cat([counts, chain_accepted(verify.tree, acceptance.accepted_nodes, chain.budget).sum().view(1)])
+            nested.append(chain)
+        return dict(zip(nested, counts.tolist()))
 
     def _discarded_generators(self) -> dict[int, torch.Generator]:
         """Generators of this step's requests whose sampled token vLLM discards (partial prefills)."""
