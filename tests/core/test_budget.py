@@ -69,15 +69,20 @@ def test_switches_when_the_fastest_shape_changes_and_falls_back_to_off():
     assert late.count(TreeShape(0, 1)) >= 85
 
 
-def test_batch_sizes_learn_separately():
+def test_batch_sizes_are_timed_separately_and_share_tokens():
+    """Trees pay at batch 1 but not at 16, where their verify costs more than the chain's; tokens per
+    request are the same at any batch size, so either bucket's steps measure them for both."""
     shapes = candidate_shapes(8, 7)
     policy = AdaptiveBudget(shapes, explore=0.0)
+    tokens = {TreeShape(0, 1): 1.0, TreeShape(4): 2.0, TreeShape(7, 1): 2.2, TreeShape(8): 2.5}
+    seconds = {1: {s: 0.01 for s in shapes}, 16: {TreeShape(0, 1): 0.01, TreeShape(4): 0.02, TreeShape(7, 1): 0.012, TreeShape(8): 0.03}}
     for _ in range(60):
-        for n, fast in ((1, TreeShape(8)), (16, TreeShape(0, 1))):
+        for n in (1, 16):
             shape = policy.choose(n)
-            policy.observe(n, shape, 0.01, {shape: 2.0 if shape == fast else 1.0})
+            policy.observe(n, shape, seconds[n][shape], {s: n * tokens[s] for s in nested_shapes(shapes, shape)})
     assert policy.choose(1) == TreeShape(8)
-    assert policy.choose(16) == TreeShape(0, 1)
+    assert policy.choose(16) == TreeShape(7, 1)
+    assert policy.tokens[TreeShape(4)].mean == pytest.approx(2.0)
 
 
 def test_exploration_is_seeded():

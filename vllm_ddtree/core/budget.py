@@ -2,12 +2,13 @@
 
 Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still runs, which keeps its
 context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
-the configured cap (the cap itself included), ordered by node count. For every batch-size bucket (1,
-2-3, 4-7, ...) we keep decayed means of committed tokens per step and of seconds per step for each
-candidate. Seconds are measured for the shape a step used, except its first step in the bucket (one-
-time costs: new tensor shapes, caches), and follow only shape and batch, so they decay fast. Tokens
-follow the text (a repetition loop accepts every draft, fresh code few), so they are averaged over
-about a hundred steps. Tokens are measured for the shape a step used AND for every
+the configured cap (the cap itself included), ordered by node count. We keep decayed means of the
+seconds per step of each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and of the tokens
+it commits per request and step, pooled over all batch sizes (acceptance depends on the text, not on
+the batch, and small buckets see few steps). Seconds are measured for the shape a step used, except
+its first step in the bucket (one-time costs: new tensor shapes, caches), and follow only shape and
+batch, so they decay fast. Tokens follow the text (a repetition loop accepts every draft, fresh code
+few), so they are averaged over about a hundred steps. Tokens are measured for the shape a step used AND for every
 candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
 of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
 accepted exactly the accepted path's nodes of index <= b (off: none) — paired, noise-free comparisons.
@@ -109,7 +110,7 @@ class AdaptiveBudget:
     seconds_decay: float = 0.95
     tokens_decay: float = 0.99
     seed: int = 0
-    tokens: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
+    tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     seconds: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
     _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
@@ -126,19 +127,20 @@ class AdaptiveBudget:
         return self._current
 
     def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None:
-        """A step verified trees of shape `used` in `seconds`; tokens[s] = tokens it committed (s = used)
-        or would have committed (s nested in used, see `nested_shapes`)."""
+        """A step of `num_requests` requests verified trees of shape `used` in `seconds`; tokens[s] = tokens
+        it committed (s = used) or would have committed (s nested in used, see `nested_shapes`), all
+        requests together."""
         bucket = batch_bucket(num_requests)
         if (bucket, used) in self._untimed_first_steps:
             self.seconds.setdefault((bucket, used), DecayedMean()).add(seconds, self.seconds_decay)
         self._untimed_first_steps.add((bucket, used))
         for shape, count in tokens.items():
-            self.tokens.setdefault((bucket, shape), DecayedMean()).add(count, self.tokens_decay)
+            self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay)
 
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
-        """Measured rate, or None until the shape has been timed `warmup` times in this bucket (after its
-        untimed first step)."""
-        seconds, tokens = self.seconds.get((bucket, shape)), self.tokens.get((bucket, shape))
+        """Measured tokens per second and request of the batch (ranks the shapes of one bucket), or None
+        until the shape has been timed `warmup` times in this bucket (after its untimed first step)."""
+        seconds, tokens = self.seconds.get((bucket, shape)), self.tokens.get(shape)
         if seconds is None or tokens is None or seconds.steps < self.warmup or seconds.mean <= 0:
             return None
         return tokens.mean / seconds.mean
