@@ -17,10 +17,13 @@ as it reaches (each depth's rank-0 path node is that depth's best node), so the 
 with every tree step too (`chain_accepted`); without them the chain would be measured only on its own
 steps, on other text than the trees it is compared with. (A tree ending right below the chain's
 accepted run gives a lower bound; best-first trees of 8 or more nodes rarely do: about 1% low.)
-A choice is held for `hold` steps. Choices climb the ordered list (speed peaks at an intermediate
-size, and far sizes can be very slow, so they are never tried blindly): start at the first tree of at
-least 8 nodes (or the cap); then take the best measured tokens per second, after each of its two
-neighbours has been timed `warmup` times, and with probability `explore` (seeded) re-time a neighbour.
+Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can be very slow,
+so they are never tried blindly): a bucket starts where the nearest bucket with measurements stands
+(the first one: at the first tree of at least 8 nodes, or the cap); then take the best measured tokens
+per second, after each of its two neighbours has been timed `warmup` times, and with probability
+`explore` (seeded) re-time a neighbour. The best shape is held for `hold` steps; a shape tried for
+timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
+requests finish, must not spend their steps probing).
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class AdaptiveBudget:
 
     shapes: list[TreeShape]
     hold: int = 4
+    probe_hold: int = 2
     warmup: int = 1
     explore: float = 0.05
     seconds_decay: float = 0.95
@@ -116,13 +120,14 @@ class AdaptiveBudget:
     _current: TreeShape | None = None
     _bucket: int = -1
     _held: int = 0
+    _hold_now: int = 0
     _rng: torch.Generator | None = None
 
     def choose(self, num_requests: int) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests."""
         bucket = batch_bucket(num_requests)
-        if self._current is None or bucket != self._bucket or self._held >= self.hold:
-            self._current, self._bucket, self._held = self._pick(bucket), bucket, 0
+        if self._current is None or bucket != self._bucket or self._held >= self._hold_now:
+            (self._current, self._hold_now), self._bucket, self._held = self._pick(bucket), bucket, 0
         self._held += 1
         return self._current
 
@@ -145,21 +150,30 @@ class AdaptiveBudget:
             return None
         return tokens.mean / seconds.mean
 
-    def _pick(self, bucket: int) -> TreeShape:
+    def _pick(self, bucket: int) -> tuple[TreeShape, int]:
+        """(shape, steps to hold it)."""
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
-        rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
+        rates = self._rates(bucket)
         if not rates:
-            return self.shapes[self._start_index()]
+            return self.shapes[self._start_index(bucket)], self.probe_hold
         best = max(rates, key=rates.get)
         neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
         for i in neighbours:
             if i not in rates:
-                return self.shapes[i]
+                return self.shapes[i], self.probe_hold
         if float(torch.rand(1, generator=self._rng)) < self.explore:
-            return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]]
-        return self.shapes[best]
+            return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]], self.probe_hold
+        return self.shapes[best], self.hold
 
-    def _start_index(self) -> int:
+    def _rates(self, bucket: int) -> dict[int, float]:
+        """Measured rates of this bucket by index in `shapes`."""
+        return {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
+
+    def _start_index(self, bucket: int) -> int:
+        """Where the nearest measured bucket's best shape is; else the first tree of >= 8 nodes (or the cap)."""
+        for other in sorted({b for b, _ in self.seconds}, key=lambda b: (abs(b - bucket), b)):
+            if rates := self._rates(other):
+                return max(rates, key=rates.get)
         trees = [i for i, shape in enumerate(self.shapes) if shape.topk is None and shape.budget >= 8]
         return trees[0] if trees else len(self.shapes) - 1
