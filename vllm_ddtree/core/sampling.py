@@ -95,12 +95,12 @@ def sample_tree_tokens(
 
     positions [R, N]: the sequence position of the token each node draws (its depth + 1 past the
     root's position); needed when any request is seeded. inplace: `logits` may be overwritten."""
-    greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2])
-    all_greedy = bool(params.is_greedy.all()) if params.all_greedy is None else params.all_greedy
+    greedy = params.is_greedy
+    all_greedy = bool(greedy.all()) if params.all_greedy is None else params.all_greedy
+    greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2]) if all_greedy or bool(greedy.any()) else None
     if all_greedy:
         return greedy_tokens
-    processed = process_logits(logits, params, inplace)
-    probs = processed.sub_(processed.amax(dim=-1, keepdim=True)).exp_()  # unnormalised: inverse_cdf scales
+    probs = process_logits(logits, params, inplace).softmax(dim=-1)  # one fused pass: max, exp, sum
     uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
     if params.seeds:
         if positions is None:
@@ -109,7 +109,7 @@ def sample_tree_tokens(
         seeds = torch.tensor([_signed(params.seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=probs.device)
         uniforms[rows] = keyed_uniforms(seeds.unsqueeze(1), positions[rows].long())
     sampled = inverse_cdf(probs.flatten(0, 1), uniforms.flatten()).view(probs.shape[:2])
-    return torch.where(params.is_greedy.unsqueeze(1), greedy_tokens, sampled)
+    return sampled if greedy_tokens is None else torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
 
 
 _BLOCK = 64
