@@ -130,6 +130,32 @@ def test_seeded_requests_reproducible_across_batch_compositions(seeded_engine):
     assert different_seed[0] != alone[0]
 
 
+def test_seeded_requests_do_not_depend_on_the_adaptive_budget(pair_dirs, seeded_engine):
+    """Draws are keyed by (seed, position), so a seeded request's tokens do not depend on the tree
+    shapes: an adaptive engine, which resizes the trees from step to step (sometimes to none), emits
+    exactly what the fixed-budget engine emits."""
+    from vllm import LLM, SamplingParams
+
+    seeded = prompts(lengths=(6, 30, 12, 50), seed=21)
+    settings = ((1.0, 1.0), (0.7, 0.95), (1.3, 1.0), (1.0, 0.9))
+    params = [SamplingParams(temperature=t, top_p=p, seed=200 + i, max_tokens=48, ignore_eos=True) for i, (t, p) in enumerate(settings)]
+    fixed = [list(o.outputs[0].token_ids) for o in seeded_engine.generate(seeded, params, use_tqdm=False)]
+    target, draft = pair_dirs["focused"]
+    llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+              kv_cache_memory_bytes=2**27, max_model_len=1024, max_num_seqs=16, seed=0,
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": True})
+    try:
+        adaptive = [list(o.outputs[0].token_ids) for o in llm.generate(seeded, params, use_tqdm=False)]
+        one_by_one = [list(llm.generate([r], [p], use_tqdm=False)[0].outputs[0].token_ids) for r, p in zip(seeded, params)]
+        policy = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter.budget_policy
+        timed_shapes = {shape for _, shape in policy.seconds}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    assert adaptive == fixed
+    assert one_by_one == fixed
+    assert len(timed_shapes) >= 2  # the policy did resize the trees
+
+
 def test_mixed_batch_greedy_requests_equal_plain_decoding(pair_dirs):
     """Greedy and sampled requests (temperature, top_k, top_p, seeds; vLLM refuses min_p under speculative decoding), different max_tokens and
     stop token ids, in one batch: the greedy ones equal plain decoding, every request honours its
