@@ -20,7 +20,7 @@ torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 import importlib.util
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pytest
@@ -49,10 +49,47 @@ def heldout_code_prompts(lengths=PROMPT_LENGTHS) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": ids[:n]} for ids, n in zip(heldout_prompts(len(lengths), max(lengths)), lengths)]
 
 
+@dataclass(frozen=True)
+class VerifiedRequests:
+    """The requests of one engine step that verified drafts (T of them), from the runner's `TreeStep`:
+    tree [T, N], starts [T] (root positions), acceptance (the walk's result)."""
+
+    tree: Any
+    starts: Any
+    acceptance: Any
+
+
+def verified_requests(step: Any) -> VerifiedRequests | None:
+    """The drafted requests of a sampled `TreeStep`, or None when no request verified drafts."""
+    from vllm_ddtree.core import DraftTree, TreeAcceptance
+
+    keep = step.drafted
+    if not bool(keep.any()):
+        return None
+    names = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")
+    tree = DraftTree(**{name: getattr(step.tree, name)[keep] for name in names}, max_depth=step.tree.max_depth)
+    acceptance = TreeAcceptance(*(getattr(step.acceptance, f.name)[keep] for f in fields(TreeAcceptance)))
+    return VerifiedRequests(tree, step.starts[keep], acceptance)
+
+
+def record_verified_steps(runner: Any, steps: list) -> None:
+    """Append `verified_requests` of every step the runner samples to `steps`."""
+    sample = runner._sample
+
+    def recording_sample(*args, **kw):
+        out = sample(*args, **kw)
+        verified = verified_requests(runner.step)
+        if verified is not None:
+            steps.append(verified)
+        return out
+
+    runner._sample = recording_sample
+
+
 @dataclass
 class Run:
     """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters (and
-    preemptions) of `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedStep`)."""
+    preemptions) of `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedRequests`)."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
@@ -95,15 +132,7 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
     steps: list[Any] = []
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     if spec is not None and spec.get("method") == "ddtree":
-        sample = runner._sample
-
-        def recording_sample(*args, **kw):
-            out = sample(*args, **kw)
-            if runner._verified is not None:
-                steps.append(runner._verified)
-            return out
-
-        runner._sample = recording_sample
+        record_verified_steps(runner, steps)
     try:
         outs = llm.generate(requests, params, use_tqdm=False)
         return Run(

@@ -52,7 +52,7 @@ def test_requests_run_up_to_max_model_len_and_trees_stay_inside(edge_runs):
         assert len(prompt["prompt_token_ids"]) + len(out) == MAX_MODEL_LEN
         assert reason == "length"
     for step in run.steps:
-        assert int((step.batch.starts + step.batch.tree.num_nodes).max()) <= MAX_MODEL_LEN
+        assert int((step.starts + step.tree.num_nodes).max()) <= MAX_MODEL_LEN
 
 
 def test_max_tokens_one_emits_one_token(edge_runs):

@@ -34,7 +34,7 @@ def test_tree_accepts_deep_and_off_the_greedy_chain(engine_runs, pair):
     ranks_of_accepted = []
     for step in run.steps:
         nodes = step.acceptance.accepted_nodes
-        ranks_of_accepted += step.batch.tree.ranks.gather(1, nodes.clamp(min=0))[nodes > 0].tolist()
+        ranks_of_accepted += step.tree.ranks.gather(1, nodes.clamp(min=0))[nodes > 0].tolist()
     assert any(rank > 0 for rank in ranks_of_accepted), "every accepted node was a rank-0 child"
     assert max(int(step.acceptance.num_accepted.max()) for step in run.steps) >= 3
 
@@ -60,7 +60,7 @@ def test_spec_decode_metrics_count_tree_steps(engine_runs):
     counter i = steps that accepted a node at depth i + 1."""
     run = engine_runs("focused", ("ddtree", 32))
     accepted_per_step = [n - 1 for step in run.steps for n in step.acceptance.num_accepted.tolist()]
-    nodes_per_step = [n - 1 for step in run.steps for n in step.batch.tree.num_nodes.tolist()]
+    nodes_per_step = [n - 1 for step in run.steps for n in step.tree.num_nodes.tolist()]
     metrics = run.metrics
     assert metrics["vllm:spec_decode_num_drafts"] == len(accepted_per_step)
     assert metrics["vllm:spec_decode_num_draft_tokens"] == sum(nodes_per_step)
@@ -84,6 +84,6 @@ def test_adaptive_budget_is_lossless_and_cuts_trees(engine_runs, pair):
     plain = engine_runs(pair, None)
     run = engine_runs(pair, ("ddtree", 32, {"ddtree_adaptive": True}))
     assert run.token_ids == plain.token_ids
-    verified = [n - 1 for step in run.steps for n in step.batch.tree.num_nodes.tolist()]
+    verified = [n - 1 for step in run.steps for n in step.tree.num_nodes.tolist()]
     assert min(verified) < 32 and max(verified) > 0
     assert run.tokens_per_step > 1.2

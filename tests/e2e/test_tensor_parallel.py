@@ -22,11 +22,10 @@ def _install_recorder(worker: Any) -> None:
 
     def recording_sample(*args: Any, **kwargs: Any) -> Any:
         out = sample(*args, **kwargs)
-        if runner._verified is not None:
-            step = runner._verified
-            runner.recorded_steps.append(
-                (step.batch.tree.token_ids.tolist(), step.batch.tree.parents.tolist(), step.acceptance.accepted_nodes.tolist())
-            )
+        step = runner.step
+        runner.recorded_steps.append(
+            (step.tree.token_ids.tolist(), step.tree.parents.tolist(), step.target_token_ids.tolist(), step.acceptance.accepted_nodes.tolist())
+        )
         return out
 
     runner._sample = recording_sample
@@ -71,7 +70,7 @@ def test_tp2_greedy_equals_plain_and_ranks_agree(tp_engine, engine_runs):
     token_ids, (rank0, rank1) = _generate_on_both_ranks(tp_engine, prompts(), params)
     assert token_ids == engine_runs("focused", None).token_ids
     assert rank0 == rank1 and len(rank0) > 0
-    assert any(max(len([n for n in path if n >= 0]) for path in accepted) > 2 for _, _, accepted in rank0)
+    assert any(max(len([n for n in path if n >= 0]) for path in accepted) > 2 for _, _, _, accepted in rank0)
 
 
 def test_tp2_sampled_ranks_reach_the_same_paths(tp_engine):

@@ -29,6 +29,7 @@ requests finish, must not spend their steps probing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -43,11 +44,33 @@ class TreeShape:
     budget: int
     topk: int | None = None
 
+    @property
+    def is_off(self) -> bool:
+        return self.budget == 0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.budget > 0 and self.topk == 1
+
+
+OFF = TreeShape(0, 1)
+"""No speculation this step: no tree nodes (the chain of length 0)."""
+
+
+class BudgetPolicy(Protocol):
+    """What the engine asks of a tree-shape policy: `AdaptiveBudget`, or a scripted one in tests."""
+
+    shapes: list[TreeShape]
+
+    def choose(self, num_requests: int) -> TreeShape: ...
+
+    def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None: ...
+
 
 def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
     """off, the chain of min(cap, depth) nodes and trees of 4, 8, 16, ... nodes up to `cap`, ordered
     by node count (the chain before a tree of as many nodes): the order the policy climbs."""
-    shapes = [TreeShape(0, 1)]
+    shapes = [OFF]
     if depth >= 1:
         shapes.append(TreeShape(min(cap, depth), 1))
     size = 4
@@ -84,7 +107,7 @@ class DecayedMean:
 def nested_shapes(shapes: list[TreeShape], used: TreeShape) -> list[TreeShape]:
     """Candidates whose tree is a prefix of a `used`-shaped tree: off, `used` itself, and for a tree
     (no top-k cap) every smaller tree."""
-    return [s for s in shapes if s.budget == 0 or s == used or (used.topk is None and s.topk is None and s.budget <= used.budget)]
+    return [s for s in shapes if s.is_off or s == used or (used.topk is None and s.topk is None and s.budget <= used.budget)]
 
 
 def chain_accepted(tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: int) -> torch.Tensor:
@@ -100,6 +123,92 @@ def chain_accepted(tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: i
     path = accepted_nodes[:, 1:]
     on_rank0 = (path >= 0) & (tree.ranks.gather(1, path.clamp(min=0)) == 0)
     return on_rank0.long().cumprod(1).sum(1).clamp(max=chain_depth)
+
+
+def accepted_by_shape(
+    shapes: list[TreeShape], used: TreeShape, tree: DraftTree, accepted_nodes: torch.Tensor, verified: torch.Tensor
+) -> dict[TreeShape, int]:
+    """Draft tokens accepted in one step by the `used` shape and by every candidate whose tokens can be
+    read off it, all requests together: the nested smaller trees (a b-node best-first tree accepts the
+    path nodes of index <= b) and, when the step's trees are trees (no top-k cap), the chain
+    (`chain_accepted`). Only the requests with verified drafts (`verified` [R] bool) count; shapes
+    bigger than the smallest of their trees are left out (the scheduler may have cut trees), and so is
+    everything but `used` when no request verified drafts. One host sync for all shapes.
+
+    tree [R, N] and accepted_nodes [R, D] (root first, -1 padded) are the step's trees and walk.
+    """
+    if not bool(verified.any()):
+        return {used: 0}
+    smallest = int(tree.num_nodes[verified].min()) - 1
+    nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
+    chain = next((shape for shape in shapes if shape.is_chain), None)
+    with_chain = chain is not None and chain not in nested and used.topk is None and chain.budget <= smallest
+    path = accepted_nodes[verified, 1:].unsqueeze(-1)
+    budgets = torch.tensor([shape.budget for shape in nested], device=path.device)
+    counts = ((path > 0) & (path <= budgets)).sum((0, 1))
+    if with_chain:
+        chain_tokens = chain_accepted(tree, accepted_nodes, chain.budget)[verified].sum().view(1)
+        counts = torch.cat([counts, chain_tokens])
+        nested.append(chain)
+    return dict(zip(nested, counts.tolist()))
+
+
+def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, int]) -> dict[TreeShape, int]:
+    """Tokens a step committed (`committed`, under `used`) and would have committed under each shape of
+    `accepted` (draft tokens accepted per shape, `accepted_by_shape`): the bonus tokens are the same
+    whatever the shape, only the accepted draft tokens differ."""
+    if not accepted:
+        return {used: committed}
+    bonus = committed - accepted.get(used, 0)
+    return {shape: bonus + gain for shape, gain in accepted.items()}
+
+
+@dataclass
+class TimedStep:
+    """One decode-only engine step as the policy sees it: batch size, the shape it verified, when it
+    started, seconds until its sampling ended (None until then), tokens committed and draft tokens
+    accepted per shape (`accepted_by_shape`)."""
+
+    requests: int
+    shape: TreeShape
+    start: float
+    busy: float | None = None
+    committed: int = 0
+    accepted: dict[TreeShape, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepClock:
+    """Feeds a `BudgetPolicy` with the engine's own steps.
+
+    A step's time is from its start to the next step's start: the runner's work plus the engine's
+    per-step overhead, which the shape pays too. It is reported when the next step starts, unless the
+    engine sat idle in between (the gap exceeds `idle_factor` x the step's busy time + `idle_slack`
+    seconds), the step committed no tokens, or it never finished sampling. Steps that also prefill
+    prompt tokens are not timed (their time says nothing about the shape).
+    """
+
+    policy: BudgetPolicy
+    idle_factor: float = 2.0
+    idle_slack: float = 0.02
+    current: TimedStep | None = None
+
+    def step_started(self, now: float, requests: int, shape: TreeShape, decode_only: bool) -> None:
+        last = self.current
+        if last is not None and last.committed > 0 and last.busy is not None:
+            elapsed = now - last.start
+            if elapsed < self.idle_factor * last.busy + self.idle_slack:
+                tokens = tokens_by_shape(last.committed, last.shape, last.accepted)
+                self.policy.observe(last.requests, last.shape, elapsed, tokens)
+        self.current = TimedStep(requests, shape, now) if requests > 0 and decode_only else None
+
+    def step_sampled(self, committed: int, accepted: dict[TreeShape, int]) -> None:
+        if self.current is not None:
+            self.current.committed, self.current.accepted = committed, accepted
+
+    def step_ended(self, now: float) -> None:
+        if self.current is not None:
+            self.current.busy = now - self.current.start
 
 
 @dataclass

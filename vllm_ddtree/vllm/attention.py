@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.vllm.paged_kv import probe_layout, read_blocks
+from vllm_ddtree.vllm.tree_step import TreeRows
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,33 @@ class TreeAttention:
     bias: torch.Tensor
     valid_nodes: torch.Tensor
     valid_rows: torch.Tensor
+
+    @classmethod
+    def build(cls, rows: TreeRows, block_table: torch.Tensor, block_size: int) -> TreeAttention:
+        """The masks of a step's branching trees; block_table [num_reqs, max blocks] maps a request's
+        positions to cache blocks (position p lives in block block_table[p // block_size], row
+        p % block_size)."""
+        num_req, width = rows.valid.shape
+        window_len = rows.starts + rows.num_nodes
+        longest = int(window_len.max())
+        block_ids = block_table[rows.req_indices][:, : -(-longest // block_size)].long()
+        pos = torch.arange(longest).unsqueeze(0)
+        in_window = pos < window_len.unsqueeze(1)
+        column = pos - rows.starts.unsqueeze(1)  # tree node index of a window position, < 0 in the prefix
+        in_tree = (column >= 0) & in_window
+        ancestors = rows.ancestor_mask.gather(2, column.clamp(0, width - 1).unsqueeze(1).expand(-1, width, -1))
+        mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
+        mask = torch.where(rows.valid.unsqueeze(2), mask, mask[:, :1])
+        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+        query_rows = rows.node_rows.flatten()
+        valid_nodes = rows.valid.flatten().nonzero().squeeze(1)
+        return cls(
+            query_rows=query_rows,
+            block_ids=block_ids,
+            bias=bias,
+            valid_nodes=valid_nodes,
+            valid_rows=query_rows.index_select(0, valid_nodes),
+        )
 
 
 @dataclass

@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import AdaptiveBudget, DraftTree, TreeShape, build_draft_trees, candidate_shapes
+from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, build_draft_trees, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -38,10 +39,11 @@ class DDTreeProposer(DFlashProposer):
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
         depth = min(ddtree.budget, self.max_depth)
-        self.budget_policy = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
+        self.budget_policy: BudgetPolicy | None = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self._candidates = 1
 
+    @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
 
@@ -59,7 +61,7 @@ class DDTreeProposer(DFlashProposer):
         self.last_trees = None
         with self.stage_times.stage(DRAFT_FORWARD):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
-        if shape.budget == 0:
+        if shape.is_off:
             return [[] for _ in range(next_token_ids.shape[0])]
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
@@ -69,6 +71,7 @@ class DDTreeProposer(DFlashProposer):
             sizes = (trees.num_nodes - 1).tolist()
             return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
 
+    @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
         logits = self.model.compute_logits(hidden_states)

@@ -1,53 +1,36 @@
-"""vLLM's CPU model runner with DDTree: tree drafts, tree-masked verify, tree walk, KV compaction.
+"""Method 'ddtree' on vLLM's V1 model runner, platform-neutral: one `TreeStep` per engine step.
 
-One engine step, for the requests whose drafts are trees (all others, and all-greedy steps whose drafts
-are chains, run exactly as stock DFlash):
-1. `_prepare_inputs`: vLLM lays out each request's 1 + n rows with linear KV slots; we set node i's
-   RoPE position to start + depth(i) and remember the batch's trees (`TreeVerifyBatch`).
-2. `_build_attention_metadata`: the target's CPU attention metadata gets the tree masks of the
-   branching trees (a chain's mask is the causal one vLLM's kernel already applies).
-3. `_sample`: the target's token at every node (`sampling.sample_nodes`: argmax for greedy requests,
-   the core's exact sampling rule otherwise), the core's acceptance walk, output in
-   vLLM's "accepted drafts + bonus, padded -1" form (so EOS, stop tokens, max_tokens, detokenization
-   and the spec-decode metrics need nothing new), then KV compaction of the accepted nodes in every
-   target layer: the k-th node of the accepted path moves to row start + k.
-4. `propose_draft_token_ids`: the drafter's context rows are put in path order with linear positions,
-   which is exactly the stock "accepted prefix + rejected padding" layout, so vLLM's DFlash input
-   preparation runs unchanged; the proposer returns trees, handed to the scheduler as flat lists.
+A step reads as: build the step's trees (`_prepare_inputs`) -> the target's verify forward with tree
+masks (`_build_attention_metadata`, the platform's attention) -> sample every node and walk the trees
+(`_sample`) -> compact the accepted nodes' KV -> put the drafter's context in path order and draft the
+next trees (`propose_draft_token_ids`). `tree_step.py` states the step object's lifecycle.
+
+Every token this runner emits comes from the core's sampling rule (`vllm_ddtree.core.sampling`):
+tree nodes, the bonus token, and the token of a request without drafts (prefill, a step the budget
+policy runs without speculation) alike; vLLM's sampler and rejection sampler never run. So a seeded
+request's token at position p is always the draw keyed by (seed, p), whatever the trees, the batch or
+the policy did, and no sampling option can reach a vLLM code path the tree walk does not use.
+
+The platform layer (`cpu_runner.py`) supplies what differs per device: the KV slots of this step's
+rows, the tree attention metadata, moving K/V rows in the paged cache, and the attention check.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from typing_extensions import override
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_ddtree.core import (
-    KVCompactionPlan,
-    TreeAcceptance,
-    TreeShape,
-    accept_tree,
-    chain_accepted,
-    compact_rows_,
-    kv_compaction_plan,
-    nested_shapes,
-)
-from vllm_ddtree.vllm.attention import (
-    DDTreeCPUAttentionImpl,
-    DDTreeCPUAttentionMetadata,
-)
+from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.sampling import sample_nodes, tree_sampling_params
 from vllm_ddtree.vllm.stage_times import (
@@ -58,51 +41,65 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.verify import (
-    ProposedTree,
-    ScheduledTree,
-    TreeVerifyBatch,
-    VerifiedStep,
-)
+from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
+
+logger = logging.getLogger("vllm.ddtree")
 
 
-@dataclass
-class StepClock:
-    """One engine step as the adaptive budget sees it: batch size, the tree shape it verifies, start
-    time, seconds until sampling ended, tokens committed, and accepted draft tokens per nested shape
-    (the used shape's included; empty when the step verified no trees of ours)."""
+class DDTreeRunnerMixin:
+    """DDTree hooks over a vLLM V1 model runner (`GPUModelRunner` or its subclass `CPUModelRunner`).
 
-    requests: int
-    shape: TreeShape
-    start: float
-    busy: float = -1.0
-    tokens: int = 0
-    accepted: dict[TreeShape, int] = field(default_factory=dict)
+    step: this step's `TreeStep` (replaced at the next `_prepare_inputs`); clock: feeds the budget
+    policy (None for a fixed budget); num_chain_fallbacks: requests verified as a chain because their
+    scheduled drafts were not their proposed tree (expected 0).
+    """
 
-
-class DDTreeModelRunner(CPUModelRunner):
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         ddtree = DDTreeConfig.from_vllm_config(vllm_config)
         if ddtree is None:
-            raise ValueError("DDTreeModelRunner needs additional_config['ddtree'] (set by method 'ddtree')")
+            raise ValueError("the DDTree model runner needs additional_config['ddtree'] (set by method 'ddtree')")
         self.stage_times = StageTimes.from_env(device)
         self.drafter = DDTreeProposer(vllm_config, device, self, ddtree, self.stage_times)
-        self._proposed: dict[str, ProposedTree] = {}
-        self._verify: TreeVerifyBatch | None = None
-        self._node_slots: torch.Tensor | None = None
-        self._verified: VerifiedStep | None = None
-        self._step_clock: StepClock | None = None  # adaptive budget: the step being timed
+        self.step: TreeStep | None = None
+        self._proposals: Proposals | None = None
+        self.clock: StepClock | None = None
+        self.num_chain_fallbacks = 0
+        if self.drafter.budget_policy is not None:
+            self.use_budget_policy(self.drafter.budget_policy)
 
+    def use_budget_policy(self, policy: BudgetPolicy) -> None:
+        """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""
+        self.drafter.budget_policy = policy
+        self.clock = StepClock(policy)
+
+    # ---- platform layer ----------------------------------------------------------------------------
+    def _step_slot_mapping(self) -> torch.Tensor:
+        """This step's per-row KV slots (computed by vLLM's `_prepare_inputs`; one KV cache group)."""
+        raise NotImplementedError
+
+    def _attach_tree_attention(self, attn_metadata: dict[str, Any], rows: TreeRows) -> None:
+        """Give the target's attention metadata the masks of this step's branching trees."""
+        raise NotImplementedError
+
+    def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the K/V at `src_slots` to `dst_slots` [M] in every target attention layer."""
+        raise NotImplementedError
+
+    def _check_target_attention(self, layer: Attention) -> None:
+        """Raise unless the target layer's attention can run tree masks."""
+        raise NotImplementedError
+
+    # ---- set-up ------------------------------------------------------------------------------------
+    @override
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         if self.uses_mrope:
             raise NotImplementedError("method 'ddtree' does not support target models with M-RoPE")
         for layer in self._target_attention_layers():
-            if not isinstance(layer.impl, DDTreeCPUAttentionImpl):
-                raise NotImplementedError("method 'ddtree' needs vLLM's CPU_ATTN attention backend for the target")
-            layer.impl.check_tree_support()
+            self._check_target_attention(layer)
 
+    @override
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         if len(kv_cache_config.kv_cache_groups) != 1:
@@ -110,214 +107,136 @@ class DDTreeModelRunner(CPUModelRunner):
                 "method 'ddtree' needs the target and draft in one KV cache group (no hybrid or sliding-window models)"
             )
 
-    # ---- stage timing (benchmarks: VLLM_DDTREE_STAGE_TIMES=1) -------------------------------------
-    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.drafter.budget_policy is not None:
-            self._clock_step(scheduler_output)
-        with self.stage_times.stage(STEP):
-            return super().execute_model(scheduler_output, *args, **kwargs)
-
-    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        with self.stage_times.stage(STEP):
-            output = super().sample_tokens(*args, **kwargs)
-        self.stage_times.end_step()
-        if self._step_clock is not None:
-            self._step_clock.busy = time.perf_counter() - self._step_clock.start
-        return output
-
-    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.stage_times.stage(TARGET_FORWARD):
-            return super()._model_forward(*args, **kwargs)
-
-    # ---- adaptive budget: what each step's tree shape achieved ------------------------------------
-    def _clock_step(self, scheduler_output: Any) -> None:
-        """Report the previous step (the tree shape it verified, the tokens it committed, the time from
-        its start to this one: the runner's work plus the engine's per-step overhead) to the budget
-        policy, unless the engine sat idle in between or the step also prefilled prompt tokens (its time
-        says nothing about the shape); start timing this step."""
-        now = time.perf_counter()
-        last = self._step_clock
-        if last is not None and last.tokens > 0 and 0 <= last.busy and now - last.start < 2 * last.busy + 0.02:
-            used = last.accepted.get(last.shape, 0)
-            tokens = {shape: last.tokens - used + gain for shape, gain in last.accepted.items()} or {last.shape: last.tokens}
-            self.drafter.budget_policy.observe(last.requests, last.shape, now - last.start, tokens)
-        scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
-        decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
-        self._step_clock = StepClock(len(scheduled), self.drafter.last_shape, now) if scheduled and decode_only else None
-
-    # ---- 1. verify inputs -------------------------------------------------------------------------
-    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray):
-        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        with self.stage_times.stage(TREE_BUILD):
-            self._prepare_tree_inputs(scheduler_output)
-        return result
-
-    def _prepare_tree_inputs(self, scheduler_output: Any) -> None:
-        """Trees of this step's verify requests (`TreeVerifyBatch`), their RoPE positions and KV slots."""
-        proposed, self._proposed = self._proposed, {}
-        self._verify = self._node_slots = self._verified = None
-        scheduled = scheduler_output.scheduled_spec_decode_tokens
-        if not scheduled:
-            return
-        if self.input_batch.all_greedy and self.drafter.last_shape.topk == 1:
-            return  # greedy chains: vLLM's own DFlash verification is exact, needs no tree step and is cheapest
-        first_rows = self.query_start_loc.np
-        trees = []
-        for req_id, draft_token_ids in scheduled.items():
-            req_index = self.input_batch.req_id_to_index[req_id]
-            start = int(self.input_batch.num_computed_tokens_cpu[req_index])
-            trees.append(
-                ScheduledTree(
-                    req_index=req_index,
-                    first_row=int(first_rows[req_index]),
-                    start=start,
-                    root_token_id=int(self.input_batch.token_ids_cpu[req_index, start]),
-                    draft_token_ids=list(draft_token_ids),
-                    proposed=proposed.get(req_id),
-                )
-            )
-        trees.sort(key=lambda t: t.req_index)
-        verify = TreeVerifyBatch.build(trees)
-        rows, positions = verify.node_positions()
-        self.positions[rows] = positions
-        self._node_slots = self._slot_mapping()[verify.node_rows()]
-        self._verify = verify
-
-    def _slot_mapping(self) -> torch.Tensor:
-        """This step's per-row KV slots (computed by vLLM's `_prepare_inputs`; one KV cache group)."""
-        return self.input_batch.block_table[0].slot_mapping.cpu
-
-    # ---- 2. tree masks for the target's attention ------------------------------------------------
-    def _build_attention_metadata(self, *args: Any, **kwargs: Any):
-        attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
-        if self._verify is None:
-            return attn_metadata, spec_metadata
-        with self.stage_times.stage(TREE_BUILD):
-            block_table = self.input_batch.block_table[0]
-            tree = self._verify.attention(block_table.get_cpu_tensor(), block_table.block_size)
-            for metadata in attn_metadata.values():
-                assert isinstance(metadata, DDTreeCPUAttentionMetadata)
-                metadata.tree = tree
-        return attn_metadata, spec_metadata
-
-    # ---- 3. tree walk + KV compaction ------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
-        with self.stage_times.stage(ACCEPTANCE):
-            output = self._sample_trees(logits, spec_decode_metadata)
-        if self._step_clock is not None:
-            discarded = int(self.discard_request_mask.np[: self.input_batch.num_reqs].sum())
-            self._step_clock.tokens = int((output.sampled_token_ids >= 0).sum()) - discarded
-        return output
-
-    def _sample_trees(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
-        """Rows without a tree (prefills, requests without drafts) keep vLLM's sampler, which also
-        draws (and discards) a token for every tree request; tree nodes are sampled by the core's rule.
-
-        Under tensor parallelism every rank holds the same (all-gathered) logits and builds the same
-        trees, and the sampled tokens are broadcast from TP rank 0, so every rank commits the same
-        tokens and reaches the same accepted path (each then compacts its own KV shard)."""
-        verify, self._verify = self._verify, None
-        with self._discarded_draws_undone():
-            if verify is None or spec_decode_metadata is None:
-                output = super()._sample(logits, spec_decode_metadata)
-                get_tp_group().broadcast(output.sampled_token_ids, src=0)
-                return output
-            assert logits is not None
-            plain = self.sampler(logits.index_select(0, spec_decode_metadata.bonus_logits_indices), self.input_batch.sampling_metadata)
-        num_sampled = torch.tensor(spec_decode_metadata.num_draft_tokens) + 1
-        first_logit_row = spec_decode_metadata.cu_num_sampled_tokens.long() - num_sampled
-        node_offsets = verify.node_rows() - verify.first_rows.unsqueeze(1)
-        params = tree_sampling_params(self.input_batch.sampling_metadata, verify.req_indices)
-        node_logit_rows = first_logit_row[verify.req_indices].unsqueeze(1) + node_offsets
-        draw_positions = verify.starts.unsqueeze(1) + verify.tree.depths + 1
-        target = sample_nodes(logits, node_logit_rows, draw_positions, params)
-        get_tp_group().broadcast(target, src=0)
-        acceptance = accept_tree(verify.tree, target, verify.ancestor_mask)
-        if self._step_clock is not None:
-            self._step_clock.accepted = self._accepted_by_nested_shape(self._step_clock.shape, verify, acceptance)
-
-        output = torch.full((num_sampled.shape[0], int(num_sampled.max())), -1, dtype=torch.int32)
-        output[:, 0] = get_tp_group().broadcast(plain.sampled_token_ids[:, 0].contiguous(), src=0)
-        output[verify.req_indices] = -1
-        output[verify.req_indices, : acceptance.output_token_ids.shape[1]] = acceptance.output_token_ids.int()
-        with self.stage_times.stage(KV_COMPACTION):
-            plan = kv_compaction_plan(acceptance)
-            self._compact_target_kv(plan)
-        self._verified = VerifiedStep(verify, acceptance, plan)
-        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
-
-    def _accepted_by_nested_shape(
-        self, used: TreeShape, verify: TreeVerifyBatch, acceptance: TreeAcceptance
-    ) -> dict[TreeShape, int]:
-        """Accepted draft tokens of this step, and those of each smaller candidate whose tree is a prefix
-        of this one (path nodes of index <= its budget), and of the chain when this step's trees reach
-        its depth (`chain_accepted`), for the budget policy. Shapes larger than the smallest scheduled
-        tree are left out (the scheduler may have cut trees)."""
-        shapes = self.drafter.budget_policy.shapes
-        smallest = int(verify.tree.num_nodes.min()) - 1
-        nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
-        chain = next((shape for shape in shapes if shape.topk == 1 and shape.budget > 0), None)
-        with_chain = chain is not None and used.topk is None and chain.budget <= smallest
-        path = acceptance.accepted_nodes[:, 1:].unsqueeze(-1)
-        budgets = torch.tensor([shape.budget for shape in nested])
-        counts = ((path > 0) & (path <= budgets)).sum((0, 1))  # one host sync for all shapes
-        if with_chain:
-            counts = torch.cat([counts, chain_accepted(verify.tree, acceptance.accepted_nodes, chain.budget).sum().view(1)])
-            nested.append(chain)
-        return dict(zip(nested, counts.tolist()))
-
-    def _discarded_generators(self) -> dict[int, torch.Generator]:
-        """Generators of this step's requests whose sampled token vLLM discards (partial prefills)."""
-        num_reqs = self.input_batch.num_reqs
-        generators = self.input_batch.generators
-        return {int(i): generators[int(i)] for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0] if int(i) in generators}
-
-    @contextmanager
-    def _discarded_draws_undone(self) -> Iterator[None]:
-        """Restore the generators of discarded rows after sampling, so a seeded request's tokens do not
-        depend on how its prompt was chunked. (vLLM rewinds them in `_bookkeeping_sync` with
-        `Generator.set_offset`, which CPU generators lack: the stock CPU runner crashes there.)"""
-        states = {i: g.get_state() for i, g in self._discarded_generators().items()}
-        try:
-            yield
-        finally:
-            for i, state in states.items():
-                self.input_batch.generators[i].set_state(state)
-
-    def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's bookkeeping with the discarded rows' generators hidden from its offset rewind (already
-        undone by `_discarded_draws_undone`)."""
-        hidden = self._discarded_generators()
-        for i in hidden:
-            del self.input_batch.generators[i]
-        try:
-            return super()._bookkeeping_sync(*args, **kwargs)
-        finally:
-            self.input_batch.generators.update(hidden)
-
-    def _compact_target_kv(self, plan: KVCompactionPlan) -> None:
-        """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers
-        are rewritten from the context on the next draft pass)."""
-        if not bool(plan.is_move.any()):
-            return
-        assert self._node_slots is not None
-        src = self._node_slots.gather(1, plan.src_offsets)[plan.is_move]
-        dst = self._node_slots.gather(1, plan.dst_offsets)[plan.is_move]
-        indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self._target_attention_layers():
-            kv_cache = layer.kv_cache
-            layout = probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype)
-            key = (id(layout), layer.num_kv_heads)
-            if key not in indices:
-                indices[key] = (row_index(layout, src, layer.num_kv_heads), row_index(layout, dst, layer.num_kv_heads))
-            move_rows(kv_cache, *indices[key])
-
     def _target_attention_layers(self) -> list[Attention]:
         draft_layers = self.drafter._draft_attn_layer_names
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         return [layer for name, layer in layers.items() if name not in draft_layers]
 
-    # ---- 4. draft context in path order, then the DFlash draft ------------------------------------
+    # ---- the step ----------------------------------------------------------------------------------
+    @override
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.clock is not None:
+            scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+            decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
+            self.clock.step_started(time.perf_counter(), len(scheduled), self.drafter.last_shape, decode_only)
+        with self.stage_times.stage(STEP):
+            return super().execute_model(scheduler_output, *args, **kwargs)
+
+    @override
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage_times.stage(STEP):
+            output = super().sample_tokens(*args, **kwargs)
+        self.stage_times.end_step()
+        if self.clock is not None:
+            self.clock.step_ended(time.perf_counter())
+        return output
+
+    @override
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.stage_times.stage(TARGET_FORWARD):
+            return super()._model_forward(*args, **kwargs)
+
+    @override
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        with self.stage_times.stage(TREE_BUILD):
+            self.step = self._build_step(scheduler_output, num_scheduled_tokens)
+        return result
+
+    def _build_step(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> TreeStep:
+        """Every request's tree (its root alone without drafts), RoPE positions start + depth for the
+        branching trees' rows, and the KV slot of every node."""
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_drafts = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, draft_token_ids in scheduler_output.scheduled_spec_decode_tokens.items():
+            num_drafts[batch.req_id_to_index[req_id]] = len(draft_token_ids)
+        root_rows = self.query_start_loc.np[1 : num_reqs + 1] - 1 - num_drafts
+        starts = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs] - 1 - num_drafts
+        proposals, self._proposals = self._proposals, None
+        step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, proposals)
+        if step.num_chain_fallbacks:
+            self.num_chain_fallbacks += step.num_chain_fallbacks
+            logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
+                           "exact, fewer tokens per step)", step.num_chain_fallbacks)
+        rows, positions = step.tree_positions()
+        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
+        step.node_slots = self._step_slot_mapping()[step.node_rows().to(self._step_slot_mapping().device)]
+        return step
+
+    @override
+    def _build_attention_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
+        rows = self.step.attention_rows() if self.step is not None else None
+        if rows is not None:
+            with self.stage_times.stage(TREE_BUILD):
+                self._attach_tree_attention(attn_metadata, rows)
+        return attn_metadata, spec_metadata
+
+    @override
+    def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
+        """The target's token at every node of every request (the core's rule), the acceptance walk,
+        and KV compaction. Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens,
+        max_tokens, detokenization and the spec-decode metrics need nothing new.
+
+        Under tensor parallelism every rank holds the same (all-gathered) logits and builds the same
+        trees, and the sampled tokens are broadcast from TP rank 0 (unseeded draws differ per rank), so
+        every rank commits the same tokens and reaches the same accepted path (each then compacts its
+        own KV shard)."""
+        step = self.step
+        assert step is not None and logits is not None
+        with self.stage_times.stage(ACCEPTANCE):
+            params = tree_sampling_params(self.input_batch.sampling_metadata, self.input_batch.num_reqs)
+            target = sample_nodes(logits, step.node_logit_rows(), step.draw_positions(), params)
+            step.target_token_ids = get_tp_group().broadcast(target, src=0)
+            step.acceptance = accept_tree(step.tree, step.target_token_ids, step.ancestor_mask)
+            output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
+            accepted_rows = step.acceptance.output_token_ids
+            output[:, : accepted_rows.shape[1]] = accepted_rows
+        with self.stage_times.stage(KV_COMPACTION):
+            step.plan = kv_compaction_plan(step.acceptance)
+            self._compact_target_kv(step)
+        if self.clock is not None:
+            self._clock_sampled(step, output)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+
+    def _clock_sampled(self, step: TreeStep, output: torch.Tensor) -> None:
+        """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
+        assert self.clock is not None and step.acceptance is not None
+        num_reqs = step.tree.num_requests
+        discarded = int(self.discard_request_mask.np[:num_reqs].sum())
+        committed = int((output >= 0).sum()) - discarded
+        used = self.drafter.last_shape
+        accepted = accepted_by_shape(self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted)
+        self.clock.step_sampled(committed, accepted)
+
+    def _compact_target_kv(self, step: TreeStep) -> None:
+        """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are
+        rewritten from the context on the next draft pass)."""
+        plan = step.plan
+        assert plan is not None and step.node_slots is not None
+        if not bool(plan.is_move.any()):
+            return
+        moves = plan.is_move.to(step.node_slots.device)
+        src = step.node_slots.gather(1, plan.src_offsets.to(moves.device))[moves]
+        dst = step.node_slots.gather(1, plan.dst_offsets.to(moves.device))[moves]
+        self._move_kv_rows(src, dst)
+
+    @override
+    def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's bookkeeping with the partial-prefill rows' generators hidden from its offset rewind:
+        no token of ours is drawn from vLLM's generators, so there is nothing to rewind (and CPU
+        generators lack `set_offset`)."""
+        num_reqs = self.input_batch.num_reqs
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
+        hidden = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    @override
     def propose_draft_token_ids(
         self,
         scheduler_output: Any,
@@ -330,11 +249,10 @@ class DDTreeModelRunner(CPUModelRunner):
         common_attn_metadata: Any,
         slot_mappings: Any,
     ) -> list[list[int]]:
-        verified, self._verified = self._verified, None
-        if verified is not None:
-            assert aux_hidden_states is not None
+        step = self.step
+        if step is not None and aux_hidden_states is not None:
             with self.stage_times.stage(KV_COMPACTION):
-                aux_hidden_states = self._path_first(verified.batch, verified.plan, aux_hidden_states)
+                aux_hidden_states = self._path_first(step, aux_hidden_states)
         drafts = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
@@ -348,25 +266,25 @@ class DDTreeModelRunner(CPUModelRunner):
         )
         trees = self.drafter.last_trees
         if trees is not None:
-            with self.stage_times.stage(TREE_BUILD):
-                self._proposed = dict(zip(self.input_batch.req_ids, ProposedTree.unbatch(trees)))
+            self._proposals = Proposals(trees, {req_id: i for i, req_id in enumerate(self.input_batch.req_ids)})
         return drafts
 
-    def _path_first(
-        self, verify: TreeVerifyBatch, plan: KVCompactionPlan, aux_hidden_states: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
+    def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
-        positions: row first_row + k holds the k-th path node. The drafter then sees the layout of an
+        positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        rows, positions = verify.linear_positions()
-        self.positions[rows] = positions
-        if not bool(plan.is_move.any()):  # every accepted path already sits in path order (chains)
+        rows, positions = step.linear_positions()
+        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
+        plan = step.plan
+        if plan is None or not bool(plan.is_move.any()):  # every accepted path already sits in path order
             return aux_hidden_states
-        src, dst = plan.rows(verify.first_rows)
+        src, dst = plan.rows(step.root_rows)
         moves = plan.is_move.flatten()
+        device = aux_hidden_states[0].device
+        src, dst = src[moves].to(device), dst[moves].to(device)
         reordered = []
         for states in aux_hidden_states:
             states = states.clone()
-            compact_rows_(states, src[moves], dst[moves])
+            compact_rows_(states, src, dst)
             reordered.append(states)
         return reordered

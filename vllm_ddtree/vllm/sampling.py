@@ -7,7 +7,9 @@ Invariants:
 - a seeded request's draws are keyed by (its seed, the position drawn) (the seed is its vLLM
   generator's initial seed; the generator's stream is not used for tree nodes), so its tokens do not
   depend on its tree's shape or size, on the scheduler cutting trees, or on the rest of the batch;
-- vLLM's rejection sampler is never used (on CPU it is biased at T > 0 and crashes with top-k/top-p).
+- every token of method 'ddtree' comes from this rule, the first token after a prefill and the tokens
+  of steps without drafts included: vLLM's sampler and rejection sampler are never used (on CPU the
+  rejection sampler is biased at T > 0, and vLLM's CPU top-k crashes on a step without drafts).
 """
 
 from __future__ import annotations
@@ -20,23 +22,27 @@ from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
 from vllm_ddtree.core.sampling import argmax_first
 
 
-def tree_sampling_params(sampling_metadata: Any, req_indices: torch.Tensor) -> TreeSamplingParams:
-    """TreeSamplingParams of the tree requests `req_indices` (batch indices), in that order; seeds are
-    keyed by position in `req_indices`."""
+def tree_sampling_params(sampling_metadata: Any, num_reqs: int) -> TreeSamplingParams:
+    """TreeSamplingParams of the batch's first `num_reqs` requests (vLLM's input batch order).
+
+    top_k 1 is greedy: plain sampling keeps only the largest logit (ties aside), and the argmax is
+    exactly what a greedy request emits."""
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        return TreeSamplingParams(temperature=torch.zeros(len(req_indices)), all_greedy=True)
-    positions = {r: t for t, r in enumerate(req_indices.tolist())}
+        return TreeSamplingParams(temperature=torch.zeros(num_reqs), all_greedy=True)
+    temperature = sampling_metadata.temperature[:num_reqs]
+    top_k = _rows(sampling_metadata.top_k, num_reqs)
+    if top_k is not None:
+        temperature = torch.where(top_k == 1, 0.0, temperature)
     return TreeSamplingParams(
-        temperature=sampling_metadata.temperature[req_indices],
-        top_k=_rows(sampling_metadata.top_k, req_indices),
-        top_p=_rows(sampling_metadata.top_p, req_indices),
-        seeds={positions[r]: g.initial_seed() for r, g in sampling_metadata.generators.items() if r in positions},
-        all_greedy=False,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=_rows(sampling_metadata.top_p, num_reqs),
+        seeds={int(i): g.initial_seed() for i, g in sampling_metadata.generators.items() if int(i) < num_reqs},
     )
 
 
-def _rows(values: torch.Tensor | None, rows: Any) -> torch.Tensor | None:
-    return None if values is None else values[rows]
+def _rows(values: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
+    return None if values is None else values[:num_reqs]
 
 
 def sample_nodes(

@@ -1,0 +1,51 @@
+"""The CPU layer of method 'ddtree': vLLM's `CPUModelRunner` with the platform-neutral DDTree hooks.
+
+CPU specifics, and nothing else: this step's KV slots live in the block table's `.cpu` slot mapping;
+the target's attention is our CPU_ATTN subclass (`DDTreeCPUAttentionImpl`), whose metadata carries the
+tree masks; K/V rows move through the ISA-specific layout of CPU_ATTN's paged cache (`paged_kv`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
+from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
+from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
+from vllm_ddtree.vllm.tree_step import TreeRows
+
+
+class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
+    @override
+    def _step_slot_mapping(self) -> torch.Tensor:
+        return self.input_batch.block_table[0].slot_mapping.cpu
+
+    @override
+    def _attach_tree_attention(self, attn_metadata: dict[str, Any], rows: TreeRows) -> None:
+        block_table = self.input_batch.block_table[0]
+        tree = TreeAttention.build(rows, block_table.get_cpu_tensor(), block_table.block_size)
+        for metadata in attn_metadata.values():
+            assert isinstance(metadata, DDTreeCPUAttentionMetadata)
+            metadata.tree = tree
+
+    @override
+    def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer in self._target_attention_layers():
+            kv_cache = layer.kv_cache
+            layout = probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype)
+            key = (id(layout), layer.num_kv_heads)
+            if key not in indices:
+                indices[key] = (row_index(layout, src_slots, layer.num_kv_heads), row_index(layout, dst_slots, layer.num_kv_heads))
+            move_rows(kv_cache, *indices[key])
+
+    @override
+    def _check_target_attention(self, layer: Attention) -> None:
+        if not isinstance(layer.impl, DDTreeCPUAttentionImpl):
+            raise NotImplementedError("method 'ddtree' needs vLLM's CPU_ATTN attention backend for the target")
+        layer.impl.check_tree_support()

@@ -1,0 +1,209 @@
+"""One engine step of method 'ddtree', as one object: trees -> verify batch -> target tokens ->
+acceptance -> KV plan.
+
+Lifecycle (the runner owns at most one `TreeStep`, `DDTreeRunnerMixin.step`):
+1. `_prepare_inputs`: `TreeStep.build` from the scheduler's batch and the previous step's `Proposals`
+   (every request of the batch is in it: a request without drafts, e.g. a prefill, is a tree of its
+   root alone); the runner then fills `node_slots` and the verify rows' RoPE positions.
+2. `_build_attention_metadata`: the platform's attention reads `attention_rows()` for the masks of
+   the branching trees.
+3. `_sample`: `target_token_ids` (one token per node, by the core's sampling rule), `acceptance` (the
+   walk) and `plan` (KV compaction) are filled; the output rows are `acceptance.output_token_ids`.
+4. `propose_draft_token_ids`: the drafter's context is put in path order (`plan`); the drafter's new
+   trees become the next step's `Proposals`.
+The step is replaced by the next step's `build` (tests and benchmarks read it in between).
+
+The scheduler knows drafts only as flat token lists: the proposer hands it each tree's nodes in index
+order (root excluded), so any prefix the scheduler keeps (token budget, max_model_len) is still a
+prefix-closed tree (parents precede children). The trees themselves stay tensors (`Proposals`) and are
+gathered back by request; a request whose scheduled drafts are not a prefix of its proposed tree (never
+expected in synchronous scheduling) is verified as a chain, which is exact, and counted in
+`num_chain_fallbacks` (logged by the runner).
+
+A request's verify window is 1 + n batch rows, row i holding node i (row 0 the root, the last committed
+token). Rows keep vLLM's linear KV slots (start + i); only their RoPE positions change to
+start + depth(i).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_attention_mask
+
+
+@dataclass(frozen=True)
+class Proposals:
+    """The drafter's trees of one step, kept as tensors until the next step verifies them.
+
+    trees: DraftTree [P, N'] (root = the request's last committed token); rows: request id -> row.
+    """
+
+    trees: DraftTree
+    rows: dict[str, int]
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """The branching trees' rows, for the target's tree attention (chains need no mask: their tree mask
+    is the causal one every attention kernel applies). T branching requests, N nodes.
+
+    req_indices [T]: batch index; starts [T]: root position; num_nodes [T]; valid [T, N];
+    ancestor_mask [T, N, N]; node_rows [T, N]: batch row of every node (padded nodes: the root's).
+    """
+
+    req_indices: torch.Tensor
+    starts: torch.Tensor
+    num_nodes: torch.Tensor
+    valid: torch.Tensor
+    ancestor_mask: torch.Tensor
+    node_rows: torch.Tensor
+
+
+@dataclass
+class TreeStep:
+    """R requests in batch order, their trees padded to N nodes (N = 1 + the most drafts scheduled).
+
+    Built in `_prepare_inputs`:
+      root_rows [R]: batch row of each root (its last scheduled row when it has no drafts);
+      starts [R]: root position; num_drafts [R]: drafts scheduled (0: a tree of the root alone);
+      tree: DraftTree [R, N]; ancestor_mask: tree_attention_mask(tree) [R, N, N];
+      num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's.
+    Filled by the runner:
+      node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`);
+      target_token_ids [R, N], acceptance, plan: `_sample`.
+    """
+
+    root_rows: torch.Tensor
+    starts: torch.Tensor
+    num_drafts: torch.Tensor
+    tree: DraftTree
+    ancestor_mask: torch.Tensor
+    num_chain_fallbacks: int = 0
+    node_slots: torch.Tensor | None = None
+    target_token_ids: torch.Tensor | None = None
+    acceptance: TreeAcceptance | None = None
+    plan: KVCompactionPlan | None = None
+
+    @classmethod
+    def build(
+        cls,
+        req_ids: list[str],
+        root_rows: np.ndarray,
+        starts: np.ndarray,
+        num_drafts: np.ndarray,
+        token_ids: np.ndarray,
+        proposals: Proposals | None,
+    ) -> TreeStep:
+        """The step's trees. req_ids [R] in batch order; root_rows, starts, num_drafts [R] as above;
+        token_ids [>= R, L]: each request's tokens by position, drafts included (vLLM's
+        `input_batch.token_ids_cpu`), so node i's token is token_ids[r, start + i]."""
+        num_req = len(req_ids)
+        num_nodes = 1 + num_drafts
+        width = int(num_nodes.max()) if num_req else 1
+        offsets = np.arange(width)
+        valid = offsets[None, :] < num_nodes[:, None]
+        columns = starts[:, None] + np.where(valid, offsets[None, :], 0)
+        tokens = torch.from_numpy(np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64))
+        chain = torch.arange(-1, width - 1).expand(num_req, width)
+        parents, depths, ranks = chain.clone(), (chain + 1).clone(), torch.zeros(num_req, width, dtype=torch.long)
+        valid_t = torch.from_numpy(valid)
+        drafted = torch.from_numpy(num_drafts > 0)
+        fallbacks = 0
+        if proposals is not None and bool(drafted.any()):
+            rows = torch.tensor([proposals.rows.get(req_id, -1) for req_id in req_ids])
+            proposed = proposals.trees
+            known = drafted & (rows >= 0)
+            take = rows.clamp(min=0)
+            span = min(width, proposed.nodes_per_request)
+            fits = torch.from_numpy(num_nodes <= span) & (proposed.num_nodes[take] >= torch.from_numpy(num_nodes))
+            same_tokens = ((proposed.token_ids[take, :span] == tokens[:, :span]) | ~valid_t[:, :span])[:, 1:].all(1)
+            use = known & fits & same_tokens
+            fallbacks = int((drafted & ~use).sum())
+            if bool(use.any()):
+                picked = take[use]
+                parents[use, :span] = proposed.parents[picked, :span]
+                depths[use, :span] = proposed.depths[picked, :span]
+                ranks[use, :span] = proposed.ranks[picked, :span]
+        elif bool(drafted.any()):
+            fallbacks = int(drafted.sum())
+        parents = torch.where(valid_t, parents, -1)
+        depths = torch.where(valid_t, depths, 0)
+        ranks = torch.where(valid_t, ranks, 0)
+        tokens = torch.where(valid_t, tokens, tokens[:, :1])
+        tree = DraftTree(
+            token_ids=tokens,
+            parents=parents,
+            depths=depths,
+            ranks=ranks,
+            valid=valid_t,
+            num_nodes=torch.from_numpy(num_nodes).long(),
+            max_depth=int(depths.max()) if num_req else 0,
+        )
+        return cls(
+            root_rows=torch.from_numpy(root_rows).long(),
+            starts=torch.from_numpy(starts).long(),
+            num_drafts=torch.from_numpy(num_drafts).long(),
+            tree=tree,
+            ancestor_mask=tree_attention_mask(tree),
+            num_chain_fallbacks=fallbacks,
+        )
+
+    @property
+    def drafted(self) -> torch.Tensor:
+        """[R] bool: the request verifies drafts this step."""
+        return self.num_drafts > 0
+
+    def node_rows(self) -> torch.Tensor:
+        """[R, N] batch row of every node (padded nodes: the root's row)."""
+        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
+        return self.root_rows.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
+
+    def branching(self) -> torch.Tensor:
+        """[R] bool: the request's tree is not a chain (some node's parent is not the node before it)."""
+        previous = torch.arange(-1, self.tree.nodes_per_request - 1).unsqueeze(0)
+        return ((self.tree.parents != previous) & self.tree.valid).any(1)
+
+    def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
+        (every other row already has its linear position)."""
+        select = self._branching_valid()
+        return self.node_rows()[select], (self.starts.unsqueeze(1) + self.tree.depths)[select]
+
+    def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the branching trees' nodes once each window is read as a chain:
+        start + i (what the drafter expects after `plan` put the accepted path first)."""
+        select = self._branching_valid()
+        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
+        return self.node_rows()[select], (self.starts.unsqueeze(1) + offsets).expand_as(select)[select]
+
+    def attention_rows(self) -> TreeRows | None:
+        """The branching trees' rows for the tree attention; None when every tree is a chain."""
+        branching = self.branching()
+        if not bool(branching.any()):
+            return None
+        return TreeRows(
+            req_indices=branching.nonzero().squeeze(1),
+            starts=self.starts[branching],
+            num_nodes=self.tree.num_nodes[branching],
+            valid=self.tree.valid[branching],
+            ancestor_mask=self.ancestor_mask[branching],
+            node_rows=self.node_rows()[branching],
+        )
+
+    def node_logit_rows(self) -> torch.Tensor:
+        """[R, N] row of each node's logits in the step's logits, which hold 1 + num_drafts rows per
+        request in batch order (vLLM's spec-decode logits; one row per request without drafts)."""
+        first = torch.cumsum(1 + self.num_drafts, 0) - (1 + self.num_drafts)
+        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
+        return first.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
+
+    def draw_positions(self) -> torch.Tensor:
+        """[R, N] the sequence position of the token each node draws: root position + depth + 1."""
+        return self.starts.unsqueeze(1) + self.tree.depths + 1
+
+    def _branching_valid(self) -> torch.Tensor:
+        return self.tree.valid & self.branching().unsqueeze(1)
