@@ -11,8 +11,8 @@ reports medians over repeats of
 * output tokens/s: generated tokens / wall-clock seconds of the timed generation;
 * speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature);
 * for DDTree engines, milliseconds per engine step by stage (`vllm_ddtree.vllm.stage_times`: draft
-  forward, top-k, tree build + compile, target forward, acceptance, KV compaction, rest) and DDTree's
-  own overhead = (top-k + tree build + acceptance + KV compaction) / step time.
+  forward, top-k, tree build + verify inputs, target forward, acceptance, KV compaction, rest) and
+  DDTree's own overhead = (top-k + tree build + verify inputs + acceptance + KV compaction) / step time.
 
 How: one in-process CPU engine per variant (engines are the expensive part), warmed up once, then
 timed on every (temperature, batch, repeat) it serves. The chain baseline is vLLM's DFlash chain
@@ -48,6 +48,7 @@ from vllm_ddtree.demo.side_by_side import (
     shutdown,
     tokens_per_decode_step,
 )
+from vllm_ddtree.vllm.stage_times import ACCEPTANCE, DRAFT_TOPK, KV_COMPACTION, TREE_BUILD
 from vllm_ddtree.vllm.stage_times import ENV_FLAG as STAGE_TIMES_FLAG
 
 MAX_MODEL_LEN = 1024
@@ -323,7 +324,7 @@ def format_table(results: list[Measurement]) -> str:
     return "\n".join(lines)
 
 
-OVERHEAD_STAGES = ("top-k", "tree build + compile", "acceptance", "kv compaction")
+OVERHEAD_STAGES = (DRAFT_TOPK, TREE_BUILD, ACCEPTANCE, KV_COMPACTION)
 
 
 def overhead_fraction(stages: dict[str, float]) -> float:
@@ -336,12 +337,13 @@ def format_stage_table(results: list[Measurement]) -> str:
     if not staged:
         return ""
     names = list(staged[0].stage_ms_per_step)
-    header = f"{'batch':>5} {'T':>4} {'variant':<22} " + " ".join(f"{n[:12]:>12}" for n in names) + f" {'step ms':>8} {'overhead':>8}"
+    widths = [max(8, len(n)) for n in names]
+    header = f"{'batch':>5} {'T':>4} {'variant':<22} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + f" {'step ms':>8} {'overhead':>8}"
     lines = ["milliseconds per engine step by stage (medians over repeats)", header, "-" * len(header)]
     for m in sorted(staged, key=lambda r: (r.temperature, r.batch, r.budget or 0)):
         st = m.stage_ms_per_step
         lines.append(
-            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} " + " ".join(f"{st[n]:>12.2f}" for n in names)
+            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} " + " ".join(f"{st[n]:>{w}.2f}" for n, w in zip(names, widths))
             + f" {sum(st.values()):>8.2f} {100 * overhead_fraction(st):>7.1f}%"
         )
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Cost of the DDTree core per request: top-k, tree build, compile (mask), acceptance walk, KV plan.
+"""Cost of the DDTree core per request: top-k, tree build, ancestor mask, acceptance walk, KV plan.
 
 Draft logits are realistic for a Qwen3 vocabulary (151,936 tokens): peaked, a few plausible tokens per
 depth and a long tail. Prints a table (medians over repeats); `--json PATH` also writes the numbers.
@@ -59,12 +59,12 @@ def measure(batch: int, budget: int, block_size: int, repeats: int, gen: torch.G
     times = {
         "topk": median_seconds(top, repeats),
         "build": median_seconds(lambda: build_draft_trees(roots, values, indices, budget), repeats),
-        "compile": median_seconds(lambda: tree_attention_mask(tree), repeats),
+        "mask": median_seconds(lambda: tree_attention_mask(tree), repeats),
         "accept": median_seconds(lambda: accept_tree(tree, target, mask), repeats),
         "kv_plan": median_seconds(lambda: kv_compaction_plan(accept_tree(tree, target, mask)), repeats),
     }
     per_request_us = {k: v / batch * 1e6 for k, v in times.items()}
-    per_request_us["build+compile"] = per_request_us["build"] + per_request_us["compile"]
+    per_request_us["build+mask"] = per_request_us["build"] + per_request_us["mask"]
     return {"batch": batch, "budget": budget, "block_size": block_size, "us_per_request": per_request_us}
 
 
@@ -79,7 +79,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"vocab {VOCAB}, block size {args.block_size}; microseconds per request (median of {args.repeats})")
-    header = f"{'batch':>5} {'budget':>6} {'topk':>9} {'build':>8} {'compile':>8} {'build+compile':>14} {'accept':>8} {'kv_plan':>8}"
+    header = f"{'batch':>5} {'budget':>6} {'topk':>9} {'build':>8} {'mask':>8} {'build+mask':>14} {'accept':>8} {'kv_plan':>8}"
     print(header)
     rows = []
     for batch in args.batches:
@@ -87,8 +87,8 @@ def main() -> None:
             row = measure(batch, budget, args.block_size, args.repeats, gen)
             us = row["us_per_request"]
             print(
-                f"{batch:>5} {budget:>6} {us['topk']:>9.1f} {us['build']:>8.1f} {us['compile']:>8.1f}"
-                f" {us['build+compile']:>14.1f} {us['accept']:>8.1f} {us['kv_plan']:>8.1f}"
+                f"{batch:>5} {budget:>6} {us['topk']:>9.1f} {us['build']:>8.1f} {us['mask']:>8.1f}"
+                f" {us['build+mask']:>14.1f} {us['accept']:>8.1f} {us['kv_plan']:>8.1f}"
             )
             rows.append(row)
     if args.json:

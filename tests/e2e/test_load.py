@@ -1,4 +1,5 @@
-"""Method 'ddtree' behind the OpenAI-compatible server under concurrent load (issue 7, reliability).
+"""Method 'ddtree' behind the OpenAI-compatible server under concurrent load: every request
+is answered correctly or refused alone, and nothing leaks.
 
 One server (the `server` fixture of test_serve: focused pair, budget 16, `--skip-tokenizer-init`) gets:
 1. 64 concurrent streaming completions with mixed parameters (greedy at several max_tokens, greedy

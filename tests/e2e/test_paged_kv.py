@@ -6,13 +6,19 @@ import pytest
 import torch
 
 
+def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values), each [S, num_kv_heads, head_size], at a `paged_kv.row_index`."""
+    rows = kv_cache.view(-1)[index]
+    return rows[0], rows[1]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("block_size", "head_size"), [(32, 64), (128, 128)])
 def test_rows_written_by_vllm_read_back_and_move(dtype, block_size, head_size):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, read_blocks, read_rows, row_index
+    from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, read_blocks, row_index
 
     isa = _get_attn_isa(dtype, block_size, head_size)
     num_blocks, num_heads = 5, 2

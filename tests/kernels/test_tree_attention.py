@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from vllm_ddtree.kernels.problems import TreeVerifyProblem, make_problem
 from vllm_ddtree.kernels.tree_attention import TreeAttentionConfig, default_config, plan_row_tiles, tree_attention
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference
-from vllm_ddtree.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
+from vllm_ddtree.kernels.tree_mask import BITS_PER_WORD, pack_tree_mask
 
 SMALL_CONFIGS = [TreeAttentionConfig(16, 16, 4, 1, splits) for splits in (1, 2, 3)] + [TreeAttentionConfig(64, 32, 4, 1, splits) for splits in (1, 2)]
 
@@ -170,6 +170,13 @@ def test_row_tiles_cover_every_row_with_small_tails(num_rows, block_m):
 def test_qwen3_8b_budget_64_pads_260_rows_to_272():
     config = default_config(65, 4, 128, torch.bfloat16)
     assert plan_row_tiles(260, config.block_m) == (128, 2, 16) and config.num_warps == 8
+
+
+def unpack_tree_mask(mask_bits: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """Inverse of `pack_tree_mask`: [R, N, W] int32 words -> [R, N, num_nodes] bool."""
+    shifts = torch.arange(BITS_PER_WORD, device=mask_bits.device, dtype=torch.int32)
+    bits = torch.bitwise_right_shift(mask_bits.unsqueeze(-1), shifts).bitwise_and(1).bool()
+    return bits.flatten(2)[:, :, :num_nodes]
 
 
 @given(st.integers(1, 3), st.integers(1, 70), st.integers(0, 2**31 - 1))

@@ -5,9 +5,10 @@
 
 Runs plain greedy decoding, vLLM's DFlash chain (num_speculative_tokens = block_size - 1) and DDTree at
 each budget on held-out prompt ids, and the reference stepping on the same ids. Prints one JSON object:
-whether every vLLM variant's tokens equal plain decoding and the reference's greedy tokens, and tokens
-per step from vLLM's counters next to the reference's, with their relative difference (same algorithm,
-same greedy path: they should agree up to float ties).
+whether every vLLM variant's tokens equal plain decoding and the reference's greedy tokens, and vLLM's
+counters (drafts, accepted tokens, steps reaching each depth, tokens per step) next to the reference's
+(same algorithm, same greedy path: on the shipped pair they are identical; only two draft log-probs
+tied to float precision, rounded differently by the two float32 implementations, could split them).
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ def compare(target: str, draft: str, prompt_ids: list[list[int]], max_tokens: in
             "vllm_tokens_per_step": round(ours, 4),
             "reference_tokens_per_step": round(theirs, 4),
             "relative_difference": round(abs(ours - theirs) / theirs, 4),
+            "vllm_drafts": run.counters.drafts,
+            "reference_drafts": len(reference.accepted[key]),
+            "vllm_accepted": run.counters.accepted,
+            "reference_accepted": sum(reference.accepted[key]),
             "vllm_accepted_per_position": list(run.counters.accepted_per_position[:depth]),
             "reference_accepted_per_position": reference.accepted_per_position(key, depth),
         }

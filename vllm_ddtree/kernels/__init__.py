@@ -3,7 +3,7 @@ the GPU check runs on machines without vLLM; on CPU the kernels run under TRITON
 
 from vllm_ddtree.kernels.tree_attention import TreeAttentionConfig, default_config, tree_attention
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference
-from vllm_ddtree.kernels.tree_mask import pack_tree_mask, unpack_tree_mask
+from vllm_ddtree.kernels.tree_mask import pack_tree_mask
 
 __all__ = [
     "TreeAttentionConfig",
@@ -11,5 +11,4 @@ __all__ = [
     "pack_tree_mask",
     "tree_attention",
     "tree_attention_reference",
-    "unpack_tree_mask",
 ]

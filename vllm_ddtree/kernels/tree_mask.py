@@ -35,10 +35,3 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
     weights = torch.bitwise_left_shift(torch.ones((), dtype=torch.int64, device=mask.device), torch.arange(BITS_PER_WORD, device=mask.device))
     unsigned = (padded.view(num_req, num_rows, words, BITS_PER_WORD) * weights).sum(-1)  # in [0, 2^32)
     return torch.where(unsigned >= 1 << 31, unsigned - (1 << 32), unsigned).to(torch.int32)
-
-
-def unpack_tree_mask(mask_bits: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """Inverse of `pack_tree_mask`: [R, N, W] int32 words -> [R, N, num_nodes] bool."""
-    shifts = torch.arange(BITS_PER_WORD, device=mask_bits.device, dtype=torch.int32)
-    bits = torch.bitwise_right_shift(mask_bits.unsqueeze(-1), shifts).bitwise_and(1).bool()
-    return bits.flatten(2)[:, :, :num_nodes]

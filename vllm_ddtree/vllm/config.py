@@ -28,7 +28,9 @@ outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has bu
 `check_engine_config` refuses drafts that do not fit the target (vocabulary, hidden size,
 target_layer_ids), hybrid, attention-free and M-RoPE targets, and a V2 model runner vLLM chose. Tensor
 parallelism is supported (every rank samples from the same all-gathered logits and the sampled tokens
-are broadcast from rank 0, so all ranks accept the same path; see `runner.DDTreeModelRunner._sample`).
+are broadcast from rank 0, so all ranks accept the same path). The tree sampling rule is
+`vllm_ddtree.core.sampling`; its adapter to vLLM's per-request sampling state is
+`vllm_ddtree.vllm.sampling`.
 """
 
 from __future__ import annotations

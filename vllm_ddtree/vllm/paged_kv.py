@@ -101,12 +101,6 @@ def row_index(layout: RegionLayout, slots: torch.Tensor, num_kv_heads: int) -> t
     return base.unsqueeze(0) * region + offsets.unsqueeze(2)
 
 
-def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys, values), each [S, num_kv_heads, head_size], at a `row_index`."""
-    rows = kv_cache.view(-1)[index]
-    return rows[0], rows[1]
-
-
 def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values), each [R, num_kv_heads, W * block_size, head_size]: the tokens of blocks
     `block_ids` [R, W] in order, i.e. positions 0 .. W * block_size - 1 of each request's block table.

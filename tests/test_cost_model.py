@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from vllm_ddtree.kernels.tp_cost import NVLINK4, PCIE5_X16, LinkModel, allreduce_seconds, verify_allreduce_seconds
+from vllm_ddtree.cost_model import NVLINK4, PCIE5_X16, LinkModel, allreduce_seconds, verify_allreduce_seconds
 
 QWEN3_8B = {"hidden_size": 4096, "num_layers": 36}
 
