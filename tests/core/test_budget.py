@@ -11,7 +11,18 @@ from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
 from vllm_ddtree.core import accept_tree, build_draft_trees
-from vllm_ddtree.core.budget import AdaptiveBudget, TreeShape, batch_bucket, candidate_shapes, chain_accepted, nested_shapes
+from vllm_ddtree.core.budget import (
+    OFF,
+    AdaptiveBudget,
+    StepClock,
+    TreeShape,
+    accepted_by_shape,
+    batch_bucket,
+    candidate_shapes,
+    chain_accepted,
+    nested_shapes,
+    tokens_by_shape,
+)
 
 
 @given(st.integers(1, 2048), st.integers(0, 15))
@@ -174,3 +185,77 @@ def test_chain_tokens_read_off_a_tree_equal_the_chains_own_walk(table, budget, c
         if run < len(chain):
             depths = tree.depths[r][tree.valid[r]]
             assert not (depths == run + 1).any()
+
+
+@given(draft_tables(max_depth=6), st.sampled_from([4, 8, 16, 32]), st.integers(0, 2**31 - 1), st.data())
+def test_accepted_by_shape_equals_each_nested_trees_own_walk(table, budget, seed, data):
+    """Each nested tree's accepted tokens, read off the big tree's walk, equal what that smaller tree's
+    own walk accepts under the same target; requests without drafts do not count; the chain's entry is
+    `chain_accepted`'s."""
+    roots, logprobs, token_ids = table
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    target = prefix_target(token_ids, seed)
+    num_req = roots.shape[0]
+    target_at_nodes = torch.tensor([[target(r, p) for p in node_paths(tree, r)] for r in range(num_req)])
+    accepted_nodes = accept_tree(tree, target_at_nodes).accepted_nodes
+    verified = torch.tensor(data.draw(st.lists(st.booleans(), min_size=num_req, max_size=num_req)))
+    shapes = candidate_shapes(32, token_ids.shape[1])
+    used = TreeShape(budget)
+    counts = accepted_by_shape(shapes, used, tree, accepted_nodes, verified)
+    if not verified.any():
+        assert counts == {used: 0}
+        return
+    smallest = int(tree.num_nodes[verified].min()) - 1
+    for shape, count in counts.items():
+        if shape.is_chain:
+            assert count == int(chain_accepted(tree, accepted_nodes, shape.budget)[verified].sum())
+            continue
+        assert shape == used or shape.budget <= smallest
+        small = build_draft_trees(roots, logprobs, token_ids, shape.budget)
+        own = accept_tree(small, target_at_nodes[:, : small.nodes_per_request]).num_accepted - 1
+        assert count == int(own[verified].sum()), shape
+    assert OFF in counts and counts[OFF] == 0 and used in counts
+
+
+def test_tokens_by_shape_keeps_the_bonus_tokens():
+    accepted = {OFF: 0, TreeShape(4): 3, TreeShape(8): 5}
+    assert tokens_by_shape(9, TreeShape(8), accepted) == {OFF: 4, TreeShape(4): 7, TreeShape(8): 9}
+    assert tokens_by_shape(4, OFF, {}) == {OFF: 4}
+
+
+class RecordingPolicy:
+    shapes = [OFF, TreeShape(4)]
+
+    def __init__(self) -> None:
+        self.observed: list[tuple] = []
+
+    def choose(self, num_requests: int) -> TreeShape:
+        return TreeShape(4)
+
+    def observe(self, num_requests, used, seconds, tokens) -> None:
+        self.observed.append((num_requests, used, round(seconds, 6), tokens))
+
+
+def test_step_clock_reports_contiguous_decode_steps_only():
+    """A step is reported at the next step's start with the time between the starts, unless the engine
+    sat idle in between, it committed nothing, or it prefilled prompt tokens."""
+    policy = RecordingPolicy()
+    clock = StepClock(policy, idle_factor=2.0, idle_slack=0.01)
+    shape = TreeShape(4)
+    clock.step_started(0.0, 2, shape, decode_only=True)
+    clock.step_sampled(6, {OFF: 0, shape: 4})
+    clock.step_ended(0.05)
+    clock.step_started(0.06, 2, shape, decode_only=True)  # contiguous: reported
+    assert policy.observed == [(2, shape, 0.06, {OFF: 2, shape: 6})]
+    clock.step_sampled(2, {shape: 0})
+    clock.step_ended(0.1)
+    clock.step_started(0.5, 2, shape, decode_only=True)  # idle gap (0.44 > 2 x 0.04 + 0.01): dropped
+    clock.step_ended(0.55)
+    clock.step_started(0.6, 2, shape, decode_only=True)  # committed nothing: dropped
+    clock.step_sampled(3, {shape: 1})
+    clock.step_ended(0.65)
+    clock.step_started(0.7, 3, shape, decode_only=False)  # reported; this prefill step is not timed
+    clock.step_sampled(5, {shape: 2})
+    clock.step_ended(0.8)
+    clock.step_started(0.85, 3, shape, decode_only=True)
+    assert [o[2] for o in policy.observed] == [0.06, 0.1]

@@ -79,18 +79,6 @@ def test_patch_utility_refuses_double_patching():
         apply_patch(patch)
 
 
-def test_all_patches_are_declared_and_applied():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.input_processor import InputProcessor
-
-    from vllm_ddtree.vllm.patches import all_patches
-    from vllm_ddtree.vllm.patching import is_patched
-
-    declared = [(p.owner, p.name) for p in all_patches()]
-    assert declared == [(EngineArgs, "create_engine_config"), (InputProcessor, "_validate_params")]
-    assert all(is_patched(owner, name) for owner, name in declared)
-
-
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

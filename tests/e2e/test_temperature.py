@@ -6,13 +6,15 @@ Distribution test. Pair: the focused pair cut to a 32-token vocabulary with its 
 0.58 / 0.19 / 0.16 / 0.05, the other 28 tokens ~0.02 together) and the draft's top-4 holds them, so
 the tree accepts (budget 16: ~2.6 tokens per verify step even with max_tokens 3). N = 2,000 requests
 of one prompt per setting (T = 1; T = 0.8 with top_p 0.9 and top_k 6), max_tokens 3, under ddtree and
-under plain decoding, all in one `generate` call per engine. The first token comes from vLLM's sampler
-(prefill), tokens 2 and 3 from the tree walk. For the laws of the first token and of the first three
+under plain decoding, all in one `generate` call per engine. The first token is drawn at the prefill step
+(a tree of the root alone), tokens 2 and 3 by the tree walk. For the laws of the first token and of the first three
 tokens a two-sample chi-square test (cells with fewer than 10 samples in both runs together pooled)
 must give p > 1e-3. Power: moving a mass d between two cells of probability 0.1 shifts the statistic's
 non-centrality by 1000 d^2 * 20, so at alpha = 1e-3 the test detects d = TV = 0.05 with power >= 0.9
 with up to 30 degrees of freedom (0.71 with 60) and d = 0.04 with power 0.94 for the first token (stock
-vLLM's CPU rejection sampler, for comparison, is off by a TV of ~0.7 here; DESIGN.md section 3).
+vLLM's CPU rejection sampler, for comparison, is off by a TV of ~0.7 here). top_k alone (no top_p) has a
+setting of its own: it once took a different path in vLLM's sampler. Seeds under forced tree shapes:
+tests/e2e/test_sampling_options.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,11 @@ from tests.e2e.small_vocab import shrink_vocab
 N = 2000
 ALPHA = 1e-3
 SMALL_PROMPT = {"prompt_token_ids": [5, 9, 2, 17, 3]}
-SETTINGS = {"T=1": {"temperature": 1.0}, "T=0.8,top_p=0.9,top_k=6": {"temperature": 0.8, "top_p": 0.9, "top_k": 6}}
+SETTINGS = {
+    "T=1": {"temperature": 1.0},
+    "T=0.8,top_p=0.9,top_k=6": {"temperature": 0.8, "top_p": 0.9, "top_k": 6},
+    "T=1,top_k=3": {"temperature": 1.0, "top_k": 3},
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +115,8 @@ def seeded_engine(pair_dirs):
 def test_seeded_requests_reproducible_across_batch_compositions(seeded_engine):
     """Same seed -> same tokens, alone or among other requests (greedy, unseeded, long prompts being
     prefilled in chunks), including a seeded request whose own 600-token prompt is chunked differently
-    (stock vLLM's CPU runner crashes on seeds + chunked prefill; our runner restores the generators of
-    partial-prefill rows instead of rewinding their offset)."""
+    (stock vLLM's CPU runner crashes on seeds + chunked prefill: it rewinds the partial-prefill rows'
+    generators; ours never draws from vLLM's generators and hides them from that rewind)."""
     from vllm import SamplingParams
 
     seeded = prompts(lengths=(6, 600, 30), seed=11)
@@ -128,32 +134,6 @@ def test_seeded_requests_reproducible_across_batch_compositions(seeded_engine):
     assert reversed_batch == alone
     different_seed = generate([seeded[0]], [SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=40, ignore_eos=True)])
     assert different_seed[0] != alone[0]
-
-
-def test_seeded_requests_do_not_depend_on_the_adaptive_budget(pair_dirs, seeded_engine):
-    """Draws are keyed by (seed, position), so a seeded request's tokens do not depend on the tree
-    shapes: an adaptive engine, which resizes the trees from step to step (sometimes to none), emits
-    exactly what the fixed-budget engine emits."""
-    from vllm import LLM, SamplingParams
-
-    seeded = prompts(lengths=(6, 30, 12, 50), seed=21)
-    settings = ((1.0, 1.0), (0.7, 0.95), (1.3, 1.0), (1.0, 0.9))
-    params = [SamplingParams(temperature=t, top_p=p, seed=200 + i, max_tokens=48, ignore_eos=True) for i, (t, p) in enumerate(settings)]
-    fixed = [list(o.outputs[0].token_ids) for o in seeded_engine.generate(seeded, params, use_tqdm=False)]
-    target, draft = pair_dirs["focused"]
-    llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
-              kv_cache_memory_bytes=2**27, max_model_len=1024, max_num_seqs=16, seed=0,
-              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": True})
-    try:
-        adaptive = [list(o.outputs[0].token_ids) for o in llm.generate(seeded, params, use_tqdm=False)]
-        one_by_one = [list(llm.generate([r], [p], use_tqdm=False)[0].outputs[0].token_ids) for r, p in zip(seeded, params)]
-        policy = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.drafter.budget_policy
-        timed_shapes = {shape for _, shape in policy.seconds}
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    assert adaptive == fixed
-    assert one_by_one == fixed
-    assert len(timed_shapes) >= 2  # the policy did resize the trees
 
 
 def test_mixed_batch_greedy_requests_equal_plain_decoding(pair_dirs):

@@ -1,6 +1,9 @@
 """Train the embedded demo pair: a tiny Qwen3 target and its DFlash block draft, on CPU.
 
-    python -m vllm_ddtree.demo.train_pair --out DIR [--scale 0.01]
+    python -m vllm_ddtree.demo.train_pair --out DIR [--scale 0.01] [--resume]
+
+Smoke runs may also shrink what ``--scale`` leaves alone: ``--set FIELD=VALUE ...`` overrides recipe
+fields (model sizes, vocab, lengths), ``--corpus-files N`` trains on a seeded sample of N files.
 
 Phases (all seeded; every schedule is a STEP COUNT, never elapsed time, so a rerun with the same
 interpreter, thread count and library versions repeats the same computation):
@@ -115,7 +118,8 @@ class Recipe:
         return r
 
 
-# Recipe fields that determine phases 1-2 (corpus, tokenizer, target); ``--resume`` checks only these.
+# Recipe fields that determine phases 1-2 (corpus, tokenizer, target); ``--resume`` checks these and
+# the corpus sample (``--corpus-files``).
 TARGET_PHASE_FIELDS = (
     "seed", "heldout_frac", "bpe_vocab", "hidden", "target_layers", "heads", "kv_heads", "head_dim",
     "intermediate", "rope_theta", "max_position_embeddings", "target_steps", "target_batch", "target_seq",
@@ -127,6 +131,31 @@ CYCLE1_FIELDS = TARGET_PHASE_FIELDS + (
     "block_size", "target_layer_ids", "draft_steps", "draft_batch", "draft_anchors", "draft_lr", "draft_wd",
     "loss_gamma", "tie_k_norm",
 )
+
+RecipeValue = int | float | bool | list[int]
+
+
+def recipe_override(text: str) -> tuple[str, RecipeValue]:
+    """``FIELD=VALUE`` (VALUE in JSON, e.g. ``hidden=64``, ``eval_budgets=[8,16]``) -> (field, value).
+
+    FIELD is a ``Recipe`` field and VALUE has its default's type exactly (``true`` is no int), except
+    that an int is accepted for a float field; a list's items have the type of the default's items."""
+    name, _, raw = text.partition("=")
+    defaults = asdict(Recipe())
+    if name not in defaults:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected FIELD=VALUE with FIELD one of {', '.join(defaults)}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: VALUE is not JSON") from None
+    default = defaults[name]
+    if type(default) is float and type(value) is int:
+        value = float(value)
+    same = type(value) is type(default) and (
+        not isinstance(value, list) or all(type(v) is type(default[0]) for v in value))
+    if not same:
+        raise argparse.ArgumentTypeError(f"{text!r}: {name} takes a value like {json.dumps(default)}")
+    return name, value
 
 
 def log(msg: str) -> None:
@@ -161,6 +190,14 @@ def list_corpus_files(root: str) -> list[str]:
             if name.endswith(".py"):
                 out.append(os.path.relpath(os.path.join(dirpath, name), root))
     return sorted(out)
+
+
+def sample_files(files: list[str], n: int | None, seed: int) -> list[str]:
+    """``files`` itself when ``n`` is None (the recipe's corpus), else a seeded random ``n`` of them
+    (smoke runs), sorted."""
+    if n is None:
+        return files
+    return sorted(random.Random(seed).sample(files, n))
 
 
 def split_files(files: list[str], frac: float, seed: int) -> tuple[list[str], list[str]]:
@@ -799,10 +836,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2,
                     help="torch threads (fixed for reproducibility; 1 is far more robust on a busy machine)")
     ap.add_argument("--resume", action="store_true",
-                    help="reuse OUT/target if a previous run with the same recipe finished its target phase")
+                    help="reuse OUT/target if a previous run with the same recipe and corpus finished its "
+                         "target phase, and draft cycle 1 as well if that run finished it")
+    ap.add_argument("--set", type=recipe_override, nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
+                    help="override recipe fields before --scale applies (smoke runs: model sizes, vocab, lengths)")
+    ap.add_argument("--corpus-files", type=int, default=None, metavar="N",
+                    help="train on a seeded random N of the corpus files (smoke runs; default: all)")
     args = ap.parse_args(argv)
 
-    r = Recipe(seed=args.seed).scaled(args.scale)
+    r = Recipe(**{"seed": args.seed, **dict(args.set)}).scaled(args.scale)
     torch.set_num_threads(args.threads)
     torch.manual_seed(r.seed)
     out = os.path.abspath(args.out)
@@ -818,7 +860,7 @@ def main(argv: list[str] | None = None) -> None:
     # 1. corpus + tokenizer ------------------------------------------------------------------
     t0 = time.time()
     root = stdlib_dir()
-    files = list_corpus_files(root)
+    files = sample_files(list_corpus_files(root), args.corpus_files, r.seed)
     train_files, held_files = split_files(files, r.heldout_frac, r.seed)
     train_texts = [read_text(root, f) for f in train_files]
     held_texts = [read_text(root, f) for f in held_files]
@@ -858,14 +900,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume and os.path.exists(phase_file):
         with open(phase_file) as f:
             saved = json.load(f)
-        if all(saved["recipe"][k] == v for k, v in asdict(r).items() if k in TARGET_PHASE_FIELDS):
+        # a phase file without "corpus_files" predates --corpus-files: its run used the whole corpus
+        same_corpus = saved.get("corpus_files") == args.corpus_files
+        if same_corpus and all(saved["recipe"][k] == v for k, v in asdict(r).items() if k in TARGET_PHASE_FIELDS):
             model = Qwen3ForCausalLM.from_pretrained(tdir, dtype=torch.float32).eval()
             for key in ("target_params", "target_train", "target_heldout"):
                 record[key] = saved[key]
             times["target_s"] = saved["target_s"]
             record["target_resumed_from_previous_run"] = True
             resumed = True
-            log("target phase resumed from a previous run with the same recipe")
+            log("target phase resumed from a previous run with the same recipe and corpus")
     if not resumed:
         torch.manual_seed(r.seed)
         model = Qwen3ForCausalLM(target_config(r, vocab))
@@ -880,7 +924,7 @@ def main(argv: list[str] | None = None) -> None:
         model.save_pretrained(tdir, safe_serialization=True)
         times["target_s"] = time.time() - t0
         with open(phase_file, "w") as f:
-            json.dump({"recipe": asdict(r), "target_s": times["target_s"],
+            json.dump({"recipe": asdict(r), "corpus_files": args.corpus_files, "target_s": times["target_s"],
                        **{k: record[k] for k in ("target_params", "target_train", "target_heldout")}}, f)
     log(f"target held-out loss {record['target_heldout']['loss_nats_per_token']:.4f} nats/token ({times['target_s']:.0f}s)")
 
@@ -893,7 +937,7 @@ def main(argv: list[str] | None = None) -> None:
     record["draft_params"] = sum(p.numel() for p in draft.parameters())
     cycle1_file, cycle1_dir = os.path.join(out, "draft_cycle1.json"), os.path.join(out, "draft_cycle1")
     saved = None
-    if args.resume and os.path.exists(cycle1_file):
+    if resumed and os.path.exists(cycle1_file):  # a saved cycle 1 fits only the target it was trained on
         with open(cycle1_file) as f:
             saved = json.load(f)
         if any(saved["recipe"][k] != v for k, v in asdict(r).items() if k in CYCLE1_FIELDS):

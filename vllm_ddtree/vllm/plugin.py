@@ -1,13 +1,20 @@
 """vLLM general-plugin entry point (`vllm.general_plugins: ddtree`), run in every vLLM process.
 
-It refuses any vLLM but `SUPPORTED_VLLM`, applies the declared patches (which act only on requests for
-method 'ddtree') and, on the CPU platform, registers the tree-aware CPU attention backend, which
-behaves exactly like vLLM's CPU_ATTN for every batch that holds no tree-verify request.
+It refuses any vLLM but `SUPPORTED_VLLM` and, on the CPU platform (the only one method 'ddtree' runs
+on), any vLLM that lacks or changed a member we rely on (`surface.check_vllm_surface`); applies the
+declared patches (which act only on requests for method 'ddtree') and, on the CPU platform, registers
+the tree-aware CPU attention backend, which behaves exactly like vLLM's CPU_ATTN for every batch that
+holds no tree-verify request.
+
+The surface check imports the owners of the members it checks (vLLM's CPU worker, runner, proposer and
+CPU attention), which a CPU engine imports anyway; on other platforms it would import CPU-only modules
+that patch torch, so it does not run there.
 """
 
 from __future__ import annotations
 
 from vllm_ddtree.vllm.patching import check_vllm_version
+from vllm_ddtree.vllm.surface import check_vllm_surface
 
 ATTENTION_BACKEND = "vllm_ddtree.vllm.attention.DDTreeCPUAttentionBackend"
 
@@ -23,6 +30,9 @@ def register() -> None:
 
     from vllm_ddtree.vllm.patches import apply_all
 
+    on_cpu = current_platform.is_cpu()
+    if on_cpu:
+        check_vllm_surface()
     apply_all()
-    if current_platform.is_cpu():
+    if on_cpu:
         register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)

@@ -1,0 +1,280 @@
+"""Every vLLM member vllm_ddtree overrides, replaces, patches or reads, in one table checked at start-up.
+
+Our subclasses hook private methods of vLLM's runner, proposer, worker and attention backend, and read
+their internal state. If a vLLM release renames such a method, our override silently stops running; if
+it renames an attribute, a step fails mid-serving. `check_vllm_surface` (called by `plugin.register` on
+the CPU platform) turns both into one error at start-up naming every member the installed vLLM lacks or
+changed. The check imports the owners' modules (which a CPU engine imports anyway) and takes ~40 ms
+once they are imported; a passed check is not repeated in the process.
+
+Invariants (tests/compat/test_vllm_surface.py):
+- every method or class attribute (dunders aside) that our subclasses of vLLM classes, or their
+  vllm_ddtree mixins, define over a vLLM member is an "override" entry, owned by the vLLM class that
+  defines the member, whose `params` are our override's signature (`member_params`);
+- every declared patch (`patches.all_patches()`) is a "patch" entry, derived from the patch itself;
+- the installed SUPPORTED_VLLM passes the check.
+
+What an entry's check means:
+- existence: `name` is a method, property, class attribute or dataclass field of `owner`. An instance
+  attribute (invisible on the class) names `created_in`, the owner's method that creates it, and exists
+  when that method's bytecode stores it (a STORE_ATTR of `name` in the method or a function nested in
+  it). Bytecode, not source text: it ignores comments, strings, annotations and formatting, sees tuple
+  assignments and other receivers (`layer.isa = ...`), and needs no source files.
+- `params`, a signature in short form: the positional parameter names in order, then "*" and the
+  keyword parameter names, then "..." when the rest is passed through (*args/**kwargs); `self`/`cls` left
+  out. For an "override" or a "patch" (vLLM calls ours, ours calls vLLM's), vLLM's signature must be
+  exactly that, or begin with it when it ends in "...". For a "read-method" (we call vLLM's), vLLM's
+  positional parameters must begin with ours, accept our keywords, and default every other parameter.
+- `returns_tuple`: we unpack vLLM's result into that many values, so its return annotation must be a
+  tuple of that length.
+
+Not listed: names our modules import (a missing one fails the import at start-up), and the config
+objects `config.py` reads while vLLM builds its configs (a change fails there, also at start-up).
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import functools
+import importlib
+import inspect
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version
+
+Kind = Literal["override", "patch", "replace", "read-method", "read-attribute"]
+"""override: our subclass redefines it and vLLM dispatches to ours; patch: a declared run-time patch;
+replace: we put our object where vLLM keeps its own; read-method: we call it; read-attribute: we read it."""
+
+
+@dataclass(frozen=True)
+class VLLMMember:
+    """One vLLM member we rely on: `owner` (import path of a vLLM class) `.name`, and why."""
+
+    owner: str
+    name: str
+    kind: Kind
+    reason: str
+    params: tuple[str, ...] | None = None
+    created_in: str | None = None
+    returns_tuple: int | None = None
+
+    def owner_class(self) -> Any:
+        """The owner, imported (raises ImportError or AttributeError when vLLM lacks it)."""
+        module, _, qualname = self.owner.rpartition(".")
+        return functools.reduce(getattr, qualname.split("."), importlib.import_module(module))
+
+    def __str__(self) -> str:
+        signature = "" if self.params is None else f"({', '.join(self.params)})"
+        return f"{self.owner}.{self.name}{signature}"
+
+
+class IncompatibleVLLM(UnsupportedVLLMVersion):
+    """The installed vLLM lacks or changed members vllm_ddtree relies on."""
+
+
+_GPU_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+_CPU_RUNNER = "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+_INPUT_BATCH = "vllm.v1.worker.gpu_input_batch.InputBatch"
+_BLOCK_TABLE = "vllm.v1.worker.block_table.BlockTable"
+_BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
+_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+_CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+_LAYER = "vllm.model_executor.layers.attention.Attention"
+
+
+def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init__") -> tuple[VLLMMember, ...]:
+    """One "read-attribute" entry per name of `names` (space-separated) sharing a reason."""
+    return tuple(VLLMMember(owner, name, "read-attribute", reason, created_in=created_in) for name in names.split())
+
+
+SURFACE: tuple[VLLMMember, ...] = (
+    # ---- overrides: DDTreeRunnerMixin (runner.py) over vLLM's V1 runner ----------------------------------------------
+    VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers and refuses M-RoPE after the load", params=("...",)),
+    VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "refuses more than one KV cache group", params=("kv_cache_config", "...")),
+    VLLMMember(_GPU_RUNNER, "execute_model", "override", "starts the budget policy's step clock and the step timer", params=("scheduler_output", "...")),
+    VLLMMember(_GPU_RUNNER, "sample_tokens", "override", "ends the step timer and the step clock", params=("...",)),
+    VLLMMember(_GPU_RUNNER, "_model_forward", "override", "times the target forward", params=("...",)),
+    VLLMMember(_GPU_RUNNER, "_prepare_inputs", "override", "builds the step's trees and their RoPE positions once vLLM laid out the rows", params=("scheduler_output", "num_scheduled_tokens")),
+    VLLMMember(_GPU_RUNNER, "_build_attention_metadata", "override", "attaches the tree masks to the target's per-layer metadata", params=("...",), returns_tuple=2),
+    VLLMMember(_GPU_RUNNER, "_sample", "override", "samples every tree node, walks the trees and compacts the accepted KV (vLLM's samplers never run)", params=("logits", "spec_decode_metadata")),
+    VLLMMember(_GPU_RUNNER, "_bookkeeping_sync", "override", "hides partial-prefill rows' generators from vLLM's offset rewind", params=("...",)),
+    VLLMMember(_GPU_RUNNER, "propose_draft_token_ids", "override", "puts the drafter's context in path order and keeps the proposed trees", params=("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states", "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings")),
+    # ---- overrides: DDTreeProposer, DDTreeCPUWorker, the tree-aware CPU attention -----------------------------------
+    VLLMMember(_BASE_PROPOSER, "propose", "override", "runs the DFlash draft at the tree's depth and returns the trees as drafts", params=("num_speculative_tokens", "*", "next_token_ids", "...")),
+    VLLMMember(_BASE_PROPOSER, "_sample_draft_tokens", "override", "keeps the top-K draft log-probs of every position instead of one argmax", params=("hidden_states", "sampling_metadata")),
+    VLLMMember(_CPU_WORKER, "init_device", "override", "swaps in DDTreeCPUModelRunner for the runner CPUWorker.init_device builds", params=()),
+    VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackend", "get_impl_cls", "override", "selects DDTreeCPUAttentionImpl", params=()),
+    VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackend", "get_builder_cls", "override", "selects DDTreeCPUAttentionMetadataBuilder", params=()),
+    VLLMMember(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "build", "override", "returns metadata that can carry the tree masks", params=("common_prefix_len", "common_attn_metadata", "fast_build")),
+    VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "forward", "override", "recomputes the tree nodes' rows with the tree masks", params=("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale", "output_block_scale")),
+    # ---- our objects in vLLM's places --------------------------------------------------------------------------------
+    VLLMMember(_GPU_RUNNER, "drafter", "replace", "DDTreeRunnerMixin.__init__ replaces vLLM's DFlashProposer with DDTreeProposer", created_in="__init__"),
+    VLLMMember(_CPU_WORKER, "model_runner", "replace", "DDTreeCPUWorker.init_device replaces the runner before anything is loaded", created_in="init_device"),
+    VLLMMember("vllm.v1.attention.backends.registry.AttentionBackendEnum", "CPU_ATTN", "replace", "plugin.register points CPU_ATTN at DDTreeCPUAttentionBackend"),
+    # ---- methods we call ---------------------------------------------------------------------------------------------
+    VLLMMember(_CPU_RUNNER, "__init__", "read-method", "DDTreeRunnerMixin.__init__ passes its arguments on", params=("vllm_config", "device")),
+    VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "__init__", "read-method", "DDTreeProposer.__init__ builds vLLM's DFlash drafter", params=("vllm_config", "device", "runner")),
+    VLLMMember("vllm.v1.worker.block_table.MultiGroupBlockTable", "__getitem__", "read-method", "block_table[0]: the one KV cache group's block table", params=("idx",)),
+    VLLMMember(_BLOCK_TABLE, "get_cpu_tensor", "read-method", "block ids of each request, for the tree masks' K/V windows", params=()),
+    VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens and tree shape reach every rank", params=("input_", "*", "src")),
+    VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
+    # ---- state we read -----------------------------------------------------------------------------------------------
+    *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
+    *_reads(_GPU_RUNNER, "uses_mrope", "M-RoPE targets are refused: tree nodes take 1-D positions"),
+    *_reads(_GPU_RUNNER, "positions", "node rows get RoPE positions start + depth, then linear ones for the draft"),
+    *_reads(_GPU_RUNNER, "query_start_loc", "each request's first row in the batch (.np)"),
+    *_reads(_GPU_RUNNER, "discard_request_mask", "partial-prefill rows (.np), whose token vLLM discards"),
+    *_reads(_INPUT_BATCH, "req_id_to_index num_computed_tokens_cpu token_ids_cpu", "each verify request's row, root position and root token"),
+    *_reads(_INPUT_BATCH, "num_reqs req_ids", "the batch's requests in row order", created_in=None),
+    *_reads(_INPUT_BATCH, "sampling_metadata generators", "per-request sampling state for the tree nodes"),
+    *_reads(_INPUT_BATCH, "block_table", "the KV slots and blocks of this step's rows"),
+    *_reads(_BLOCK_TABLE, "slot_mapping block_size", "this step's per-row KV slots (.cpu), the block size for the tree masks"),
+    *_reads("vllm.v1.utils.CpuGpuBuffer", "np cpu", "host views of the runner's buffers"),
+    *_reads("vllm.v1.sample.metadata.SamplingMetadata", "all_greedy temperature top_k top_p generators", "tree nodes are sampled under each request's own parameters and seed", created_in=None),
+    *_reads("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens scheduled_spec_decode_tokens", "which requests verify drafts, for the trees and the step clock", created_in=None),
+    *_reads("vllm.v1.kv_cache_interface.KVCacheConfig", "kv_cache_groups", "target and draft must share one KV cache group", created_in=None),
+    *_reads(_BASE_PROPOSER, "draft_model_config use_heterogeneous_vocab", "the draft's block_size; reduced-vocabulary drafts are refused"),
+    *_reads(_BASE_PROPOSER, "model", "the draft model, whose compute_logits gives the draft logits (as in vLLM's _sample_draft_tokens)", created_in="load_model"),
+    *_reads(_BASE_PROPOSER, "_draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
+    *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache", "layer options the tree rows cannot reproduce are refused at load"),
+    *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "scale head_size", "the tree rows' attention scale and head size"),
+    *_reads(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "isa", "the kernel ISA set on every layer (`layer.isa`): the paged KV layout", created_in="_set_isa_to_layers"),
+    *_reads(_LAYER, "impl kv_cache head_size num_kv_heads", "each target layer's attention impl and paged KV cache"),
+    *_reads(_CPU_WORKER, "device", "the device the replacement runner is built on", created_in="init_device"),
+    *_reads("vllm.v1.worker.worker_base.WorkerBase", "vllm_config", "the config the replacement runner is built with"),
+    *_reads("vllm.v1.engine.input_processor.InputProcessor", "vllm_config", "the admission patch finds method 'ddtree' in it"),
+)
+
+
+def vllm_surface() -> tuple[VLLMMember, ...]:
+    """SURFACE and one "patch" entry per declared patch (imports vLLM's engine args and input processor)."""
+    from vllm_ddtree.vllm.patches import all_patches
+
+    return SURFACE + tuple(
+        VLLMMember(
+            f"{patch.owner.__module__}.{patch.owner.__qualname__}",
+            patch.name,
+            "patch",
+            patch.why,
+            params=member_params(patch.make(getattr(patch.owner, patch.name)), follow_wrapped=False),
+        )
+        for patch in all_patches()
+    )
+
+
+def _parameters(member: Any, *, follow_wrapped: bool = True) -> list[inspect.Parameter] | None:
+    """The parameters of a class member as stored in a class `__dict__` (a function is a method: its
+    `self` is left out; so is a classmethod's `cls`), or None when it is not a function."""
+    if isinstance(member, (staticmethod, classmethod)):
+        func, bound = member.__func__, isinstance(member, classmethod)
+    elif isinstance(member, types.FunctionType):
+        func, bound = member, True
+    else:
+        return None
+    return list(inspect.signature(func, follow_wrapped=follow_wrapped).parameters.values())[int(bound) :]
+
+
+def member_params(member: Any, *, follow_wrapped: bool = True) -> tuple[str, ...] | None:
+    """The `params` form of a class member's signature (see `_parameters`), or None for a non-function.
+    follow_wrapped=False reads a wrapper's own signature, not the one `functools.wraps` points it at."""
+    parameters = _parameters(member, follow_wrapped=follow_wrapped)
+    if parameters is None:
+        return None
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    keywords = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
+    rest = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
+    return (*positional, *(("*", *keywords) if keywords else ()), *(("...",) if rest else ()))
+
+
+def _split(params: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(positional names, keyword names) of a `params` form."""
+    names = [name for name in params if name != "..."]
+    star = names.index("*") if "*" in names else len(names)
+    return names[:star], names[star + 1 :]
+
+
+def _signature_fits(member: VLLMMember, raw: Any) -> bool:
+    """Whether vLLM's member `raw` (as stored in its class `__dict__`) has the signature `member.params`
+    needs (the rules are in the module docstring)."""
+    assert member.params is not None
+    parameters = _parameters(raw)
+    theirs = member_params(raw)
+    if parameters is None or theirs is None:
+        return False
+    if member.kind in ("override", "patch") and "..." not in member.params:
+        return theirs == member.params
+    positional, keywords = _split(member.params)
+    their_positional, their_keywords = _split(theirs)
+    if their_positional[: len(positional)] != positional or not set(keywords) <= set(their_positional + their_keywords):
+        return False
+    passed = set(positional + keywords)
+    return member.kind != "read-method" or all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in passed for p in parameters
+    )
+
+
+def _tuple_arity(annotation: Any) -> int | None:
+    """Length of a `tuple[...]` return annotation, else None. Read from its text, so an evaluated
+    annotation and a postponed one (a string, under `from __future__ import annotations`) read alike."""
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    node = ast.parse(text, mode="eval").body
+    is_tuple = isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("tuple", "Tuple", "typing.Tuple")
+    return len(node.slice.elts) if is_tuple and isinstance(node.slice, ast.Tuple) else None
+
+
+@functools.cache
+def _stored_attributes(code: types.CodeType) -> frozenset[str]:
+    """Attribute names a code object (or any function nested in it) stores."""
+    names = {instruction.argval for instruction in dis.get_instructions(code) if instruction.opname == "STORE_ATTR"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _stored_attributes(const)
+    return frozenset(names)
+
+
+def _problem(member: VLLMMember) -> str | None:
+    """What the installed vLLM lacks or changed of `member`, or None when it fits."""
+    try:
+        owner = member.owner_class()
+    except (ImportError, AttributeError) as exc:
+        return f"the installed vLLM has no {member.owner} ({exc})"
+    if member.created_in is not None:
+        creator: Callable[..., Any] | None = getattr(owner, member.created_in, None)
+        code = getattr(inspect.unwrap(creator), "__code__", None) if creator is not None else None
+        if code is None:
+            return f"the installed vLLM has no method {member.owner}.{member.created_in}, which created it"
+        if member.name not in _stored_attributes(code):
+            return f"{member.owner}.{member.created_in} of the installed vLLM does not set it"
+        return None
+    try:
+        raw = inspect.getattr_static(owner, member.name)
+    except AttributeError:
+        if member.name in getattr(owner, "__dataclass_fields__", {}):
+            return None
+        return "the installed vLLM lacks it"
+    if member.params is not None and not _signature_fits(member, raw):
+        found = member_params(raw)
+        return "it is not a method in the installed vLLM" if found is None else f"the installed vLLM has ({', '.join(found)})"
+    if member.returns_tuple is not None:
+        arity = _tuple_arity(inspect.signature(getattr(owner, member.name)).return_annotation)
+        if arity != member.returns_tuple:
+            return f"we unpack {member.returns_tuple} values, but the installed vLLM returns {arity or 'no tuple'}"
+    return None
+
+
+@functools.cache
+def check_vllm_surface(members: tuple[VLLMMember, ...] | None = None) -> None:
+    """Raise IncompatibleVLLM naming every member of `members` (default: `vllm_surface()`) that the
+    installed vLLM lacks or changed. Imports the owners' modules; cached per process once it passed."""
+    problems = [(m, p) for m in (vllm_surface() if members is None else members) if (p := _problem(m)) is not None]
+    if problems:
+        lines = "\n".join(f"- {m} ({m.kind}: {m.reason}): {p}" for m, p in problems)
+        raise IncompatibleVLLM(
+            f"vllm_ddtree needs these members of vLLM, which vLLM {installed_vllm_version()} lacks or changed "
+            f"(declared in vllm_ddtree.vllm.surface):\n{lines}"
+        )
