@@ -135,6 +135,7 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
         record_verified_steps(runner, steps)
     try:
         outs = llm.generate(requests, params, use_tqdm=False)
+        assert getattr(runner, "num_chain_fallbacks", 0) == 0, "scheduled drafts that were not the proposed trees"
         return Run(
             token_ids=[list(o.outputs[0].token_ids) for o in outs],
             finish_reasons=[o.outputs[0].finish_reason for o in outs],

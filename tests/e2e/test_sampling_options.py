@@ -71,6 +71,7 @@ def _generate(llm, script: list[TreeShape], requests, params) -> list[list[int]]
     _runner(llm).use_budget_policy(policy)
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert set(policy.chosen) == set(script)
+    assert _runner(llm).num_chain_fallbacks == 0
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

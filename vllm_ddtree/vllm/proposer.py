@@ -59,10 +59,12 @@ class DDTreeProposer(DFlashProposer):
         self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
         self._top = None
         self.last_trees = None
+        if shape.is_off:
+            with self.stage_times.stage(DRAFT_FORWARD):
+                self._store_context_only(depth, next_token_ids=next_token_ids, **kwargs)
+            return [[] for _ in range(next_token_ids.shape[0])]
         with self.stage_times.stage(DRAFT_FORWARD):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
-        if shape.is_off:
-            return [[] for _ in range(next_token_ids.shape[0])]
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
             top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
@@ -70,6 +72,42 @@ class DDTreeProposer(DFlashProposer):
             self.last_trees = trees
             sizes = (trees.num_nodes - 1).tolist()
             return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]
+
+    def _store_context_only(
+        self,
+        depth: int,
+        *,
+        next_token_ids: torch.Tensor,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: Any,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        **_: Any,
+    ) -> None:
+        """A step without speculation: only what the draft needs to resume. DFlash keeps the committed
+        tokens' context as K/V computed from the target's hidden states (KV injection); store them for
+        the tokens the target just computed, exactly as the first part of a full draft pass does
+        (`set_inputs_first_pass` lays out the context positions and slots), and skip the rest: no pass
+        over the mask block, no draft LM head, no top-k."""
+        self.num_speculative_tokens = depth
+        hidden_states = self.model.combine_hidden_states(target_hidden_states)
+        num_context = hidden_states.shape[0]
+        self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        self.model.precompute_and_store_context_kv(
+            hidden_states,
+            self._context_positions_buffer[:num_context],
+            self._context_slot_mapping_buffer[:num_context],
+        )
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:

@@ -62,7 +62,7 @@ class DDTreeRunnerMixin:
         self.stage_times = StageTimes.from_env(device)
         self.drafter = DDTreeProposer(vllm_config, device, self, ddtree, self.stage_times)
         self.step: TreeStep | None = None
-        self._proposals: Proposals | None = None
+        self._proposals = Proposals()
         self.clock: StepClock | None = None
         self.num_chain_fallbacks = 0
         if self.drafter.budget_policy is not None:
@@ -153,8 +153,8 @@ class DDTreeRunnerMixin:
             num_drafts[batch.req_id_to_index[req_id]] = len(draft_token_ids)
         root_rows = self.query_start_loc.np[1 : num_reqs + 1] - 1 - num_drafts
         starts = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs] - 1 - num_drafts
-        proposals, self._proposals = self._proposals, None
-        step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, proposals)
+        self._proposals.drop(scheduler_output.finished_req_ids)
+        step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, self._proposals)
         if step.num_chain_fallbacks:
             self.num_chain_fallbacks += step.num_chain_fallbacks
             logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
@@ -266,7 +266,7 @@ class DDTreeRunnerMixin:
         )
         trees = self.drafter.last_trees
         if trees is not None:
-            self._proposals = Proposals(trees, {req_id: i for i, req_id in enumerate(self.input_batch.req_ids)})
+            self._proposals.add(trees, self.input_batch.req_ids)
         return drafts
 
     def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,8 +15,8 @@ The step is replaced by the next step's `build` (tests and benchmarks read it in
 
 The scheduler knows drafts only as flat token lists: the proposer hands it each tree's nodes in index
 order (root excluded), so any prefix the scheduler keeps (token budget, max_model_len) is still a
-prefix-closed tree (parents precede children). The trees themselves stay tensors (`Proposals`) and are
-gathered back by request; a request whose scheduled drafts are not a prefix of its proposed tree (never
+prefix-closed tree (parents precede children). The trees themselves stay tensors (`Proposals`, each
+request's latest tree until it is next scheduled) and are gathered back by request; a request whose scheduled drafts are not a prefix of its proposed tree (never
 expected in synchronous scheduling) is verified as a chain, which is exact, and counted in
 `num_chain_fallbacks` (logged by the runner).
 
@@ -27,6 +27,7 @@ start + depth(i).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,14 +37,65 @@ from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_a
 
 
 @dataclass(frozen=True)
+class ProposedTrees:
+    """Proposed trees of some requests gathered for one step, [R, N] each (N = the step's width):
+    found [R] says which requests have one; the other rows are meaningless."""
+
+    token_ids: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    ranks: torch.Tensor
+    num_nodes: torch.Tensor
+    found: torch.Tensor
+
+
 class Proposals:
-    """The drafter's trees of one step, kept as tensors until the next step verifies them.
+    """Each request's latest proposed tree, kept as a row of the drafter's batched `DraftTree` until
+    the request is next scheduled (a request the scheduler skips for a step keeps its drafts, so its
+    tree must outlive the next step), or finishes."""
 
-    trees: DraftTree [P, N'] (root = the request's last committed token); rows: request id -> row.
-    """
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[DraftTree, int]] = {}
 
-    trees: DraftTree
-    rows: dict[str, int]
+    def add(self, trees: DraftTree, req_ids: list[str]) -> None:
+        """The drafter's trees, row i for req_ids[i]."""
+        for row, req_id in enumerate(req_ids):
+            self._latest[req_id] = (trees, row)
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._latest.pop(req_id, None)
+
+    def take(self, req_ids: list[str], width: int) -> ProposedTrees:
+        """The trees of `req_ids` (removed from the store: a scheduled request is proposed anew), cut or
+        padded to `width` nodes."""
+        num_req = len(req_ids)
+        out = ProposedTrees(
+            token_ids=torch.zeros(num_req, width, dtype=torch.long),
+            parents=torch.full((num_req, width), -1, dtype=torch.long),
+            depths=torch.zeros(num_req, width, dtype=torch.long),
+            ranks=torch.zeros(num_req, width, dtype=torch.long),
+            num_nodes=torch.zeros(num_req, dtype=torch.long),
+            found=torch.zeros(num_req, dtype=torch.bool),
+        )
+        groups: dict[int, tuple[DraftTree, list[int], list[int]]] = {}
+        for index, req_id in enumerate(req_ids):
+            entry = self._latest.pop(req_id, None)
+            if entry is not None:
+                trees, row = entry
+                _, indices, rows = groups.setdefault(id(trees), (trees, [], []))
+                indices.append(index)
+                rows.append(row)
+        for trees, indices, rows in groups.values():
+            at, picked = torch.tensor(indices), torch.tensor(rows)
+            span = min(width, trees.nodes_per_request)
+            out.token_ids[at, :span] = trees.token_ids[picked, :span]
+            out.parents[at, :span] = trees.parents[picked, :span]
+            out.depths[at, :span] = trees.depths[picked, :span]
+            out.ranks[at, :span] = trees.ranks[picked, :span]
+            out.num_nodes[at] = trees.num_nodes[picked].clamp(max=span)
+            out.found[at] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -96,11 +148,12 @@ class TreeStep:
         starts: np.ndarray,
         num_drafts: np.ndarray,
         token_ids: np.ndarray,
-        proposals: Proposals | None,
+        proposals: Proposals,
     ) -> TreeStep:
         """The step's trees. req_ids [R] in batch order; root_rows, starts, num_drafts [R] as above;
         token_ids [>= R, L]: each request's tokens by position, drafts included (vLLM's
-        `input_batch.token_ids_cpu`), so node i's token is token_ids[r, start + i]."""
+        `input_batch.token_ids_cpu`), so node i's token is token_ids[r, start + i]. The requests'
+        proposed trees are taken out of `proposals`."""
         num_req = len(req_ids)
         num_nodes = 1 + num_drafts
         width = int(num_nodes.max()) if num_req else 1
@@ -113,23 +166,17 @@ class TreeStep:
         valid_t = torch.from_numpy(valid)
         drafted = torch.from_numpy(num_drafts > 0)
         fallbacks = 0
-        if proposals is not None and bool(drafted.any()):
-            rows = torch.tensor([proposals.rows.get(req_id, -1) for req_id in req_ids])
-            proposed = proposals.trees
-            known = drafted & (rows >= 0)
-            take = rows.clamp(min=0)
-            span = min(width, proposed.nodes_per_request)
-            fits = torch.from_numpy(num_nodes <= span) & (proposed.num_nodes[take] >= torch.from_numpy(num_nodes))
-            same_tokens = ((proposed.token_ids[take, :span] == tokens[:, :span]) | ~valid_t[:, :span])[:, 1:].all(1)
-            use = known & fits & same_tokens
+        if bool(drafted.any()):
+            proposed = proposals.take(req_ids, width)
+            num_nodes_t = torch.from_numpy(num_nodes).long()
+            same_tokens = ((proposed.token_ids == tokens) | ~valid_t)[:, 1:].all(1)
+            use = drafted & proposed.found & (proposed.num_nodes >= num_nodes_t) & same_tokens
             fallbacks = int((drafted & ~use).sum())
-            if bool(use.any()):
-                picked = take[use]
-                parents[use, :span] = proposed.parents[picked, :span]
-                depths[use, :span] = proposed.depths[picked, :span]
-                ranks[use, :span] = proposed.ranks[picked, :span]
-        elif bool(drafted.any()):
-            fallbacks = int(drafted.sum())
+            parents = torch.where(use.unsqueeze(1), proposed.parents, parents)
+            depths = torch.where(use.unsqueeze(1), proposed.depths, depths)
+            ranks = torch.where(use.unsqueeze(1), proposed.ranks, ranks)
+        else:
+            proposals.drop(req_ids)
         parents = torch.where(valid_t, parents, -1)
         depths = torch.where(valid_t, depths, 0)
         ranks = torch.where(valid_t, ranks, 0)

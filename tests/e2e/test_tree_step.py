@@ -1,0 +1,72 @@
+"""TreeStep.build: every request of the batch gets a tree (its root alone without drafts), proposed
+trees outlive steps the scheduler skips a request in, and drafts that are not the proposed tree are
+verified as a chain and counted."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm_ddtree.core import build_draft_trees
+from vllm_ddtree.vllm.tree_step import Proposals, TreeStep
+
+
+def proposed_trees(roots: list[int], budget: int = 6):
+    """Best-first trees over a 2-candidate draft table: tokens 10 + depth (rank 0), 20 + depth (rank 1)."""
+    depth = 3
+    logprobs = torch.tensor([[-0.1, -0.5]] * depth).expand(len(roots), depth, 2).contiguous()
+    token_ids = torch.tensor([[10 + d, 20 + d] for d in range(depth)]).expand(len(roots), depth, 2).contiguous()
+    return build_draft_trees(torch.tensor(roots), logprobs, token_ids, budget)
+
+
+def token_rows(starts: list[int], trees, rows: list[int], num_drafts: list[int]) -> np.ndarray:
+    """Each request's tokens by position with its tree's first num_drafts nodes after the root."""
+    tokens = np.zeros((len(starts), 64), dtype=np.int64)
+    for r, (start, row, n) in enumerate(zip(starts, rows, num_drafts)):
+        tokens[r, start] = 5
+        if row >= 0:
+            tokens[r, start : start + 1 + n] = trees.token_ids[row, : 1 + n].numpy()
+    return tokens
+
+
+def test_a_request_skipped_for_a_step_keeps_its_proposed_tree():
+    store = Proposals()
+    trees = proposed_trees([5, 5])
+    store.add(trees, ["a", "b"])
+    # step 1 schedules only "a" (with drafts) and a prefill "c"; step 2 schedules "b" with its drafts
+    step1 = TreeStep.build(["a", "c"], np.array([0, 9]), np.array([7, 30]), np.array([4, 0]),
+                           token_rows([7, 30], trees, [0, -1], [4, 0]), store)
+    assert step1.num_chain_fallbacks == 0
+    assert torch.equal(step1.tree.parents[0, :5], trees.parents[0, :5])
+    assert step1.tree.num_nodes.tolist() == [5, 1] and step1.drafted.tolist() == [True, False]
+    step2 = TreeStep.build(["b"], np.array([0]), np.array([12]), np.array([6]), token_rows([12], trees, [1], [6]), store)
+    assert step2.num_chain_fallbacks == 0
+    assert torch.equal(step2.tree.parents[0], trees.parents[1, :7])
+    assert torch.equal(step2.tree.depths[0], trees.depths[1, :7])
+
+
+def test_drafts_that_are_not_the_proposed_tree_are_verified_as_a_chain_and_counted():
+    store = Proposals()
+    trees = proposed_trees([5])
+    store.add(trees, ["a"])
+    tokens = token_rows([3], trees, [0], [4])
+    tokens[0, 3 + 2] = 99  # the scheduler's drafts differ from the tree at node 2
+    step = TreeStep.build(["a"], np.array([0]), np.array([3]), np.array([4]), tokens, store)
+    assert step.num_chain_fallbacks == 1
+    assert step.tree.parents[0].tolist() == [-1, 0, 1, 2, 3] and step.tree.depths[0].tolist() == [0, 1, 2, 3, 4]
+    unknown = TreeStep.build(["z"], np.array([0]), np.array([3]), np.array([2]), tokens, Proposals())
+    assert unknown.num_chain_fallbacks == 1
+
+
+def test_rows_of_logits_and_draw_positions():
+    store = Proposals()
+    trees = proposed_trees([5, 5])
+    store.add(trees, ["a", "b"])
+    step = TreeStep.build(["p", "a", "b"], np.array([9, 10, 15]), np.array([9, 20, 40]), np.array([0, 4, 2]),
+                          np.concatenate([np.full((1, 64), 5), token_rows([20, 40], trees, [0, 1], [4, 2])]), store)
+    assert step.num_chain_fallbacks == 0
+    rows = step.node_logit_rows()
+    assert rows[0, 0] == 0 and rows[1, :5].tolist() == [1, 2, 3, 4, 5] and rows[2, :3].tolist() == [6, 7, 8]
+    assert step.draw_positions()[1, :5].tolist() == (21 + step.tree.depths[1, :5]).tolist()
+    assert step.node_rows()[1, :5].tolist() == [10, 11, 12, 13, 14]
+    assert step.node_rows()[0].tolist() == [9] * step.tree.nodes_per_request
