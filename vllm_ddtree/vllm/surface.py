@@ -123,6 +123,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(_BLOCK_TABLE, "get_cpu_tensor", "read-method", "block ids of each request, for the tree masks' K/V windows", params=()),
     VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens and tree shape reach every rank", params=("input_", "*", "src")),
     VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
+    VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "set_inputs_first_pass", "read-method", "an off step lays out the draft's context positions and slots as a full pass does", params=("target_token_ids", "next_token_ids", "target_positions", "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
     # ---- state we read -----------------------------------------------------------------------------------------------
     *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
     *_reads(_GPU_RUNNER, "uses_mrope", "M-RoPE targets are refused: tree nodes take 1-D positions"),
@@ -139,7 +140,9 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens scheduled_spec_decode_tokens", "which requests verify drafts, for the trees and the step clock", created_in=None),
     *_reads("vllm.v1.kv_cache_interface.KVCacheConfig", "kv_cache_groups", "target and draft must share one KV cache group", created_in=None),
     *_reads(_BASE_PROPOSER, "draft_model_config use_heterogeneous_vocab", "the draft's block_size; reduced-vocabulary drafts are refused"),
-    *_reads(_BASE_PROPOSER, "model", "the draft model, whose compute_logits gives the draft logits (as in vLLM's _sample_draft_tokens)", created_in="load_model"),
+    *_reads(_BASE_PROPOSER, "model", "the draft model: compute_logits gives the draft logits (as in vLLM's _sample_draft_tokens); combine_hidden_states and precompute_and_store_context_kv store an off step's context K/V", created_in="load_model"),
+    *_reads("vllm.v1.spec_decode.dflash.DFlashProposer", "_context_positions_buffer _context_slot_mapping_buffer", "an off step stores the context K/V at the positions and slots set_inputs_first_pass wrote"),
+    *_reads("vllm.v1.core.sched.output.SchedulerOutput", "finished_req_ids", "finished requests' proposed trees are dropped", created_in=None),
     *_reads(_BASE_PROPOSER, "_draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache", "layer options the tree rows cannot reproduce are refused at load"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "scale head_size", "the tree rows' attention scale and head size"),
