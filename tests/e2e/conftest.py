@@ -161,7 +161,9 @@ def pair_dirs(tmp_path_factory) -> dict[str, tuple[str, str]]:
 def engine_runs(pair_dirs) -> Callable[..., Run]:
     """engine_runs(pair, spec, **llm_kwargs) -> Run over the standard prompts, computed once per session.
 
-    spec: None (plain decoding), ("dflash", k) or ("ddtree", budget[, extra keys dict]).
+    spec: None (plain decoding), ("dflash", k) or ("ddtree", budget[, extra keys dict]); ddtree budgets
+    are fixed (`ddtree_adaptive: false`) unless the extra keys say otherwise, so tests that count
+    tree steps do not depend on the adaptive policy's timing.
     Prompts: the standard token-id prompts; held-out code of the same lengths for the trained pair.
     """
     from vllm import SamplingParams
@@ -175,7 +177,8 @@ def engine_runs(pair_dirs) -> Callable[..., Run]:
             config = None
             if spec is not None:
                 method, k, *extra = spec
-                config = {"method": method, "model": draft, "num_speculative_tokens": k, **(extra[0] if extra else {})}
+                fixed = {"ddtree_adaptive": False} if method == "ddtree" else {}
+                config = {"method": method, "model": draft, "num_speculative_tokens": k, **fixed, **(extra[0] if extra else {})}
             params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
             requests = heldout_code_prompts() if pair == "trained" else prompts()
             cache[key] = run_engine(target, config, requests, params, **llm_kwargs)

@@ -29,7 +29,7 @@ def edge_runs(pair_dirs):
         + [SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)] * len(LONG_PROMPTS)
         + [SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)] * len(SHORT_PROMPTS)
     )
-    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 32}
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 32, "ddtree_adaptive": False}
     return {
         name: run_engine(target, config, requests, params, max_model_len=MAX_MODEL_LEN)
         for name, config in (("plain", None), ("ddtree", spec))
@@ -84,6 +84,7 @@ def test_preempted_requests_equal_plain_decoding(pair_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=230, ignore_eos=True)
     small = {"kv_cache_memory_bytes": 3_000_000, "max_model_len": 256}
     plain = run_engine(target, None, requests, params, **small)
-    ddtree = run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 7}, requests, params, **small)
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 7, "ddtree_adaptive": False}
+    ddtree = run_engine(target, spec, requests, params, **small)
     assert ddtree.metrics["vllm:num_preemptions"] > 0
     assert ddtree.token_ids == plain.token_ids

@@ -68,7 +68,7 @@ def _stop(process: subprocess.Popen) -> None:
 def server(pair_dirs, tmp_path_factory) -> Iterator[Server]:
     target, draft = pair_dirs["focused"]
     port = _free_port()
-    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16}
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
         "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",

@@ -37,7 +37,7 @@ def test_greedy_equals_plain_on_other_shapes(tmp_path, case):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = run_engine(target, None, prompts(), params, **llm_kwargs)
     for budget in (shape.block_size - 1, 24):
-        spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": budget}
+        spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": budget, "ddtree_adaptive": False}
         tree = run_engine(target, spec, prompts(), params, **llm_kwargs)
         assert tree.token_ids == plain.token_ids, f"budget {budget}"
 
@@ -62,6 +62,7 @@ def test_greedy_equals_plain_on_a_llama_target(tmp_path):
     llama.save_pretrained(llama_dir)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     plain = run_engine(llama_dir, None, prompts(), params)
-    tree = run_engine(llama_dir, {"method": "ddtree", "model": draft, "num_speculative_tokens": 24}, prompts(), params)
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 24, "ddtree_adaptive": False}
+    tree = run_engine(llama_dir, spec, prompts(), params)
     assert tree.token_ids == plain.token_ids
     assert tree.tokens_per_step > 1.5

@@ -48,7 +48,7 @@ def distribution_runs(small_pair):
 
     target, draft = small_pair
     params = [SamplingParams(max_tokens=3, ignore_eos=True, **s) for s in SETTINGS.values() for _ in range(N)]
-    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16}
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
     return {
         name: run_engine(target, config, [SMALL_PROMPT] * len(params), params, max_num_seqs=256, max_num_batched_tokens=2048)
         for name, config in (("plain", None), ("ddtree", spec))
@@ -107,7 +107,7 @@ def seeded_engine(pair_dirs):
     target, draft = pair_dirs["focused"]
     llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
               kv_cache_memory_bytes=2 * 2**27, max_model_len=1024, max_num_batched_tokens=512, max_num_seqs=16, seed=0,
-              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16})
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False})
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -154,7 +154,7 @@ def test_mixed_batch_greedy_requests_equal_plain_decoding(pair_dirs):
         SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
         SamplingParams(temperature=1.2, seed=4, max_tokens=30, stop_token_ids=stop, ignore_eos=True),
     ]
-    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16}
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
     ddtree = run_engine(target, spec, MIXED_PROMPTS, params)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
     plain = run_engine(target, None, [MIXED_PROMPTS[i] for i in greedy], [params[i] for i in greedy])

@@ -1,7 +1,7 @@
 """Adaptive tree budget: each step, the tree shape with the best measured throughput at this batch size.
 
-Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft still runs, which keeps its
-context current), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
+Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft only stores its context,
+without its block pass), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
 the configured cap (the cap itself included), ordered by node count. We keep decayed means of the
 seconds per step of each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and of the tokens
 it commits per request and step, pooled over all batch sizes (acceptance depends on the text, not on

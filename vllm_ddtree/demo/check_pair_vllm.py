@@ -28,7 +28,8 @@ def compare(target: str, draft: str, prompt_ids: list[list[int]], max_tokens: in
     variants = [
         (None, Variant("plain", None)),
         (CHAIN, Variant("dflash chain", {"method": "dflash", "model": draft, "num_speculative_tokens": depth})),
-        *((b, Variant(f"ddtree {b}", {"method": "ddtree", "model": draft, "num_speculative_tokens": b})) for b in budgets),
+        *((b, Variant(f"ddtree {b}", {"method": "ddtree", "model": draft, "num_speculative_tokens": b, "ddtree_adaptive": False}))
+          for b in budgets),
     ]
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]

@@ -6,15 +6,16 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 - `method`: "ddtree".
 - `model`: a DFlash draft checkpoint (config `architectures: ["DFlashDraftModel"]`); vLLM's own
   DFlash model code loads and runs it.
-- `num_speculative_tokens`: the tree budget B, the number of draft nodes (root excluded) the target
-  verifies per step in one forward pass. The tree is at most min(B, block_size - 1) deep, and the
-  draft runs that many mask positions.
+- `num_speculative_tokens`: the cap B on the tree budget, the number of draft nodes (root excluded)
+  the target verifies per step in one forward pass (the budget itself with `ddtree_adaptive: false`).
+  A tree is at most min(B, block_size - 1) deep, and the draft runs that many mask positions.
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
-- `ddtree_adaptive` (optional, default false): B becomes a cap; each step the tree shape (off, the
-  chain, or a tree of 4, 8, ... B nodes) with the best measured throughput at the current batch size
-  is used (`vllm_ddtree.core.budget`), down to plain decoding steps when speculation does not pay.
-  Outputs do not change (greedy: identical; seeded: the same sample, see `core.sampling`).
+- `ddtree_adaptive` (optional, default true): each step the tree shape (off, the chain, or a tree of
+  4, 8, ... B nodes) with the best measured throughput at the current batch size is used
+  (`vllm_ddtree.core.budget`), down to plain decoding steps (the draft's block pass does not run) when
+  speculation does not pay. `false` pins every step to a tree of B nodes. Outputs do not change
+  (greedy: identical; seeded: the same sample, see `core.sampling`).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 
@@ -68,7 +69,7 @@ class DDTreeConfig:
 
     budget: int
     topk: int | None = None
-    adaptive: bool = False
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or not 1 <= self.budget <= MAX_BUDGET:
@@ -128,7 +129,7 @@ def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, An
             "add it to speculative_config (or pass --spec-model)"
         )
     ddtree = DDTreeConfig(
-        budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"), adaptive=spec.get("ddtree_adaptive", False)
+        budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"), adaptive=spec.get("ddtree_adaptive", True)
     )
     dflash = {key: value for key, value in spec.items() if key in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"

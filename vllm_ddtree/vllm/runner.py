@@ -27,7 +27,7 @@ from typing_extensions import override
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
@@ -65,6 +65,7 @@ class DDTreeRunnerMixin:
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self.num_chain_fallbacks = 0
+        self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
         if self.drafter.budget_policy is not None:
             self.use_budget_policy(self.drafter.budget_policy)
 
@@ -115,6 +116,7 @@ class DDTreeRunnerMixin:
     # ---- the step ----------------------------------------------------------------------------------
     @override
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        self._drafted = False
         if self.clock is not None:
             scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
@@ -267,7 +269,18 @@ class DDTreeRunnerMixin:
         trees = self.drafter.last_trees
         if trees is not None:
             self._proposals.add(trees, self.input_batch.req_ids)
+        self._drafted = True
         return drafts
+
+    @override
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
+        """The drafts for the scheduler; none when this step's drafter did not run. (vLLM skips the
+        drafter when the batch's longest request is too close to max_model_len for a draft block and
+        then hands the scheduler zeros, which would be verified as a chain of wasted rows.)"""
+        drafts = super().take_draft_token_ids()
+        if drafts is None or self._drafted:
+            return drafts
+        return DraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids])
 
     def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear

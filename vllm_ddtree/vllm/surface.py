@@ -104,6 +104,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(_GPU_RUNNER, "_sample", "override", "samples every tree node, walks the trees and compacts the accepted KV (vLLM's samplers never run)", params=("logits", "spec_decode_metadata")),
     VLLMMember(_GPU_RUNNER, "_bookkeeping_sync", "override", "hides partial-prefill rows' generators from vLLM's offset rewind", params=("...",)),
     VLLMMember(_GPU_RUNNER, "propose_draft_token_ids", "override", "puts the drafter's context in path order and keeps the proposed trees", params=("scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states", "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata", "slot_mappings")),
+    VLLMMember(_GPU_RUNNER, "take_draft_token_ids", "override", "no drafts (instead of vLLM's zeros) for a step whose drafter did not run", params=()),
     # ---- overrides: DDTreeProposer, DDTreeCPUWorker, the tree-aware CPU attention -----------------------------------
     VLLMMember(_BASE_PROPOSER, "propose", "override", "runs the DFlash draft at the tree's depth and returns the trees as drafts", params=("num_speculative_tokens", "*", "next_token_ids", "...")),
     VLLMMember(_BASE_PROPOSER, "_sample_draft_tokens", "override", "keeps the top-K draft log-probs of every position instead of one argmax", params=("hidden_states", "sampling_metadata")),
@@ -123,6 +124,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(_BLOCK_TABLE, "get_cpu_tensor", "read-method", "block ids of each request, for the tree masks' K/V windows", params=()),
     VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens and tree shape reach every rank", params=("input_", "*", "src")),
     VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
+    VLLMMember("vllm.v1.outputs.DraftTokenIds", "__init__", "read-method", "empty drafts for a step whose drafter did not run", params=("req_ids", "draft_token_ids")),
     VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "set_inputs_first_pass", "read-method", "an off step lays out the draft's context positions and slots as a full pass does", params=("target_token_ids", "next_token_ids", "target_positions", "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
     # ---- state we read -----------------------------------------------------------------------------------------------
     *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
