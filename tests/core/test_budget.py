@@ -259,3 +259,23 @@ def test_step_clock_reports_contiguous_decode_steps_only():
     clock.step_ended(0.8)
     clock.step_started(0.85, 3, shape, decode_only=True)
     assert [o[2] for o in policy.observed] == [0.06, 0.1]
+
+
+def test_near_equal_shapes_do_not_flip_flop_under_timing_noise():
+    """Two shapes within 2% of each other, timed with +-1% noise: the policy settles on one of them
+    and stays (hysteresis), instead of following the noise."""
+    shapes = candidate_shapes(16, 7)  # off, 4, chain 7, 8, 16
+    rates = {s: 10.0 for s in shapes}
+    rates[TreeShape(8)], rates[TreeShape(16)] = 100.0, 98.5
+    rng = random.Random(3)
+    policy = AdaptiveBudget(shapes, hold=2, probe_hold=1, explore=0.0)
+    chosen = []
+    for _ in range(300):
+        shape = policy.choose(4)
+        chosen.append(shape)
+        seconds = 0.01 * (1 + rng.uniform(-0.01, 0.01))
+        policy.observe(4, shape, seconds, {shape: rates[shape] * 0.01})
+    tail = chosen[-200:]
+    switches = sum(a != b for a, b in zip(tail, tail[1:]))
+    assert switches <= 2, switches
+    assert set(tail) <= {TreeShape(8), TreeShape(16)}

@@ -21,7 +21,10 @@ Choices climb the ordered list (speed peaks at an intermediate size, and far siz
 so they are never tried blindly): a bucket starts where the nearest bucket with measurements stands
 (the first one: at the first tree of at least 8 nodes, or the cap); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times, and with probability
-`explore` (seeded) re-time a neighbour. The best shape is held for `hold` steps; a shape tried for
+`explore` (seeded) re-time a neighbour. Hysteresis: the best shape of a bucket changes only when a
+rival's rate beats it by more than `margin` (3%), so timing noise between near-equal shapes does not
+make the choice flip back and forth; the climb still follows the measured leader's unmeasured
+neighbours, so a slope of small gains is walked to its end. The best shape is held for `hold` steps; a shape tried for
 timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
 requests finish, must not spend their steps probing).
 """
@@ -220,6 +223,7 @@ class AdaptiveBudget:
     probe_hold: int = 2
     warmup: int = 1
     explore: float = 0.05
+    margin: float = 0.03
     seconds_decay: float = 0.95
     tokens_decay: float = 0.99
     seed: int = 0
@@ -231,6 +235,7 @@ class AdaptiveBudget:
     _held: int = 0
     _hold_now: int = 0
     _rng: torch.Generator | None = None
+    _best: dict[int, int] = field(default_factory=dict)
 
     def choose(self, num_requests: int) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests."""
@@ -266,11 +271,15 @@ class AdaptiveBudget:
         rates = self._rates(bucket)
         if not rates:
             return self.shapes[self._start_index(bucket)], self.probe_hold
-        best = max(rates, key=rates.get)
-        neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
-        for i in neighbours:
-            if i not in rates:
+        leader = max(rates, key=rates.get)
+        for i in (leader - 1, leader + 1):  # climb: time the leader's neighbours first
+            if 0 <= i < len(self.shapes) and i not in rates:
                 return self.shapes[i], self.probe_hold
+        best = self._best.get(bucket)
+        if best is None or best not in rates or rates[leader] > rates[best] * (1 + self.margin):
+            best = leader  # hysteresis: the held best yields only to a rival `margin` faster
+        self._best[bucket] = best
+        neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
         if float(torch.rand(1, generator=self._rng)) < self.explore:
             return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]], self.probe_hold
         return self.shapes[best], self.hold
