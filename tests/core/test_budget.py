@@ -261,21 +261,22 @@ def test_step_clock_reports_contiguous_decode_steps_only():
     assert [o[2] for o in policy.observed] == [0.06, 0.1]
 
 
-def test_near_equal_shapes_do_not_flip_flop_under_timing_noise():
-    """Two shapes within 2% of each other, timed with +-1% noise: the policy settles on one of them
-    and stays (hysteresis), instead of following the noise."""
+def test_equal_shapes_do_not_flip_flop_under_timing_noise():
+    """Two equally fast shapes timed with +-5% noise per step and re-timed often (explore 0.3): the
+    best shape the policy holds settles and stays (hysteresis) instead of following the noise. (Without
+    the margin it changes 7-11 times in the same 300 steps.)"""
     shapes = candidate_shapes(16, 7)  # off, 4, chain 7, 8, 16
     rates = {s: 10.0 for s in shapes}
-    rates[TreeShape(8)], rates[TreeShape(16)] = 100.0, 98.5
-    rng = random.Random(3)
-    policy = AdaptiveBudget(shapes, hold=2, probe_hold=1, explore=0.0)
-    chosen = []
-    for _ in range(300):
-        shape = policy.choose(4)
-        chosen.append(shape)
-        seconds = 0.01 * (1 + rng.uniform(-0.01, 0.01))
-        policy.observe(4, shape, seconds, {shape: rates[shape] * 0.01})
-    tail = chosen[-200:]
-    switches = sum(a != b for a, b in zip(tail, tail[1:]))
-    assert switches <= 2, switches
-    assert set(tail) <= {TreeShape(8), TreeShape(16)}
+    rates[TreeShape(8)] = rates[TreeShape(16)] = 100.0
+    for seed in range(3):
+        rng = random.Random(seed)
+        policy = AdaptiveBudget(shapes, hold=2, probe_hold=1, explore=0.3, seed=seed)
+        held = []
+        for _ in range(400):
+            shape = policy.choose(4)
+            held.append(policy.best_shape(4))
+            seconds = 0.01 * (1 + rng.uniform(-0.05, 0.05))
+            policy.observe(4, shape, seconds, {shape: rates[shape] * 0.01})
+        tail = held[-300:]
+        assert sum(a != b for a, b in zip(tail, tail[1:])) == 0, seed
+        assert tail[-1] in (TreeShape(8), TreeShape(16))

@@ -256,6 +256,11 @@ class AdaptiveBudget:
         for shape, count in tokens.items():
             self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay)
 
+    def best_shape(self, num_requests: int) -> TreeShape | None:
+        """The shape this batch size's bucket holds as its best (None until it has measurements)."""
+        best = self._best.get(batch_bucket(num_requests))
+        return None if best is None else self.shapes[best]
+
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
         """Measured tokens per second and request of the batch (ranks the shapes of one bucket), or None
         until the shape has been timed `warmup` times in this bucket (after its untimed first step)."""
