@@ -120,7 +120,7 @@ def test_unsupported_request_is_refused_at_admission_and_engine_keeps_serving(pa
     try:
         for params, option in [
             (SamplingParams(temperature=0.8, max_tokens=4, min_tokens=2), "min_tokens"),
-            (SamplingParams(temperature=0.0, max_tokens=4, logprobs=2), "logprobs"),
+            (SamplingParams(temperature=0.0, max_tokens=4, frequency_penalty=0.5), "frequency_penalty"),
             (SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2), "repetition_penalty"),
         ]:
             with pytest.raises(VLLMValidationError, match=f"method 'ddtree' does not support {option}"):

@@ -44,8 +44,7 @@ def _unsupported() -> dict[str, tuple[dict, str, dict | None]]:
     ours = "method 'ddtree' does not support {}; use method 'dflash' or plain decoding for such requests"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     options = {
-        "logprobs": {"logprobs": 2},
-        "prompt_logprobs": {"prompt_logprobs": 1},
+        "logprob_token_ids": {"logprob_token_ids": [1, 2]},
         "presence_penalty": {"presence_penalty": 0.5},
         "frequency_penalty": {"frequency_penalty": 0.5},
         "repetition_penalty": {"repetition_penalty": 1.2},

@@ -27,12 +27,12 @@ from typing_extensions import override
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.outputs import DraftTokenIds, SamplerOutput
+from vllm.v1.outputs import DraftTokenIds, LogprobsTensors, SamplerOutput
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.proposer import DDTreeProposer
-from vllm_ddtree.vllm.sampling import sample_nodes, tree_sampling_params
+from vllm_ddtree.vllm.sampling import emitted_logprob_values, sample_nodes, tree_sampling_params
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -195,12 +195,37 @@ class DDTreeRunnerMixin:
             output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
             accepted_rows = step.acceptance.output_token_ids
             output[:, : accepted_rows.shape[1]] = accepted_rows
+            logprobs = self._emitted_logprobs(logits, step, output)
         with self.stage_times.stage(KV_COMPACTION):
             step.plan = kv_compaction_plan(step.acceptance)
             self._compact_target_kv(step)
         if self.clock is not None:
             self._clock_sampled(step, output)
-        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _emitted_logprobs(self, logits: torch.Tensor, step: TreeStep, output: torch.Tensor) -> LogprobsTensors | None:
+        """Logprobs of every emitted token (None unless a request asked for them), as plain decoding
+        reports them: token k of a request's output was drawn at the k-th node of its accepted path,
+        from that node's logits row. Rows follow vLLM's layout for output [R, W]: row r * W + k, rows
+        of unused output slots zero (vLLM drops them with the slots)."""
+        metadata = self.input_batch.sampling_metadata
+        if metadata.max_num_logprobs is None:
+            return None
+        assert step.acceptance is not None
+        emitted = output >= 0
+        requests, columns = emitted.nonzero(as_tuple=True)
+        nodes = step.acceptance.accepted_nodes[requests, columns]
+        rows = step.node_logit_rows()[requests, nodes]
+        params = tree_sampling_params(metadata, step.tree.num_requests, top_k_one_is_greedy=False)
+        values = emitted_logprob_values(logits, rows, requests, params, self.sampler.logprobs_mode)
+        gathered = self.sampler.gather_logprobs(values, metadata.max_num_logprobs, output[emitted].long())
+        slots = emitted.flatten().nonzero().squeeze(1)
+        width = gathered.logprob_token_ids.shape[1]
+        token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype)
+        values_out = torch.zeros(emitted.numel(), width, dtype=gathered.logprobs.dtype)
+        ranks = torch.zeros(emitted.numel(), dtype=gathered.selected_token_ranks.dtype)
+        token_ids[slots], values_out[slots], ranks[slots] = gathered.logprob_token_ids, gathered.logprobs, gathered.selected_token_ranks
+        return LogprobsTensors(token_ids, values_out, ranks)
 
     def _clock_sampled(self, step: TreeStep, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""

@@ -18,20 +18,21 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
+from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tokens
 from vllm_ddtree.core.sampling import argmax_first
 
 
-def tree_sampling_params(sampling_metadata: Any, num_reqs: int) -> TreeSamplingParams:
+def tree_sampling_params(sampling_metadata: Any, num_reqs: int, top_k_one_is_greedy: bool = True) -> TreeSamplingParams:
     """TreeSamplingParams of the batch's first `num_reqs` requests (vLLM's input batch order).
 
-    top_k 1 is greedy: plain sampling keeps only the largest logit (ties aside), and the argmax is
-    exactly what a greedy request emits."""
+    top_k_one_is_greedy: draw top_k 1 as greedy: plain sampling keeps only the largest logit (ties
+    aside), and the argmax is exactly what a greedy request emits (logprobs keep the request's own
+    parameters)."""
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
         return TreeSamplingParams(temperature=torch.zeros(num_reqs), all_greedy=True)
     temperature = sampling_metadata.temperature[:num_reqs]
     top_k = _rows(sampling_metadata.top_k, num_reqs)
-    if top_k is not None:
+    if top_k is not None and top_k_one_is_greedy:
         temperature = torch.where(top_k == 1, 0.0, temperature)
     return TreeSamplingParams(
         temperature=temperature,
@@ -56,3 +57,29 @@ def sample_nodes(
         return argmax_first(logits)[node_logit_rows]
     node_logits = logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1)  # not logits[rows]: 6x slower on CPU
     return sample_tree_tokens(node_logits, params, draw_positions, inplace=True)
+
+
+def emitted_logprob_values(
+    logits: torch.Tensor,
+    emitted_rows: torch.Tensor,
+    emitted_requests: torch.Tensor,
+    params: TreeSamplingParams,
+    logprobs_mode: str,
+) -> torch.Tensor:
+    """[M, V] the distribution vLLM's sampler reports logprobs from, for M emitted tokens, exactly as
+    plain decoding computes it at the same positions: the step's logits rows emitted_rows [M] (each
+    token's node row) of the requests emitted_requests [M] (batch indices into `params`).
+
+    Modes (vLLM's `logprobs_mode`): raw_logprobs / raw_logits: the model's logits, log-softmaxed or
+    not; processed_logprobs / processed_logits: after temperature, top-k and top-p (greedy requests:
+    the raw logits, as in vLLM's greedy path)."""
+    rows = logits.index_select(0, emitted_rows).to(torch.float32)
+    if logprobs_mode.startswith("processed") and not bool(params.is_greedy.all()):
+        per_token = TreeSamplingParams(
+            temperature=params.temperature[emitted_requests],
+            top_k=None if params.top_k is None else params.top_k[emitted_requests],
+            top_p=None if params.top_p is None else params.top_p[emitted_requests],
+        )
+        processed = process_logits(rows.unsqueeze(1), per_token).squeeze(1)
+        rows = torch.where(per_token.is_greedy.unsqueeze(1), rows, processed)
+    return rows.log_softmax(dim=-1) if logprobs_mode.endswith("logprobs") else rows

@@ -2,8 +2,9 @@
 
 The tree walk compares the target's token at every node with the node's children. Options that change
 the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
-bias, bad words, grammars) would need each node's own history, which the flat batch does not give them;
-logprobs would need the accepted rows gathered. Temperature, top_k, top_p, seeds, n > 1 (each
+bias, bad words, grammars) would need each node's own history, which the flat batch does not give them.
+logprobs (top n >= 0) and prompt_logprobs are served (each emitted token's from its node's logits
+row); logprobs of the whole vocabulary (-1) and logprob_token_ids are not. Temperature, top_k, top_p, seeds, n > 1 (each
 sample is its own request), stop strings and stop token ids are supported (the target's distribution at
 a node depends on the node's logits only; stops act on committed tokens). vLLM 0.32 itself refuses
 min_p and logit_bias under any speculative method.
@@ -27,8 +28,9 @@ class UnsupportedRequestError(VLLMValidationError, ValueError):
 def unsupported_options(params: Any) -> list[str]:
     """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support."""
     checks = {
-        "logprobs": params.logprobs is not None,
-        "prompt_logprobs": params.prompt_logprobs is not None,
+        "logprobs=-1 (the whole vocabulary)": params.logprobs is not None and params.logprobs < 0,
+        "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
+        "prompt_logprob_token_ids": getattr(params, "prompt_logprob_token_ids", None) is not None,
         "presence_penalty": params.presence_penalty != 0.0,
         "frequency_penalty": params.frequency_penalty != 0.0,
         "repetition_penalty": params.repetition_penalty != 1.0,
