@@ -1,32 +1,41 @@
-"""Side-by-side benchmark of DDTree against no speculation and a chain draft, over a configuration matrix.
+"""Interleaved benchmark of DDTree against no speculation and the DFlash chain, over a matrix of cells.
 
-What is measured: for every (batch size, temperature) and every variant — no speculation, the chain
-baseline, DDTree at each budget — the same `--prompts` prompts (16), served `batch` at a time by
-consecutive timed `LLM.generate` calls (batch 1: 16 calls of one prompt), `max_tokens` new tokens each
-(ignore_eos), repeated `--repeats` times; every batch size thus sees the same text, and the table
-reports medians over repeats of
+Cells: batch size x temperature x context ("short": the held-out code prompts of 64 tokens; "2k":
+prompts of 2048 - max_tokens tokens, so that prompt + output fill the pair's 2048 positions, built
+from the held-out snippets (`engines.context_prompts`)). Every cell serves the same `--prompts`
+prompts, `batch` per `LLM.generate` call (batch 1: one call per prompt), `--max-tokens` new tokens
+each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i.
 
-* tokens per step: 1 + accepted draft tokens / decode steps, from vLLM's own spec-decode counters
-  read before and after the timed generation (`tokens_per_decode_step`; 1 without speculation);
-* output tokens/s: generated tokens / wall-clock seconds of the timed generation;
-* speedup: tokens/s over no speculation and over the chain, at the same (batch, temperature);
-* for DDTree engines, milliseconds per engine step by stage (`vllm_ddtree.vllm.stage_times`: draft
-  forward, top-k, tree build + verify inputs, target forward, acceptance, KV compaction, rest) and
-  DDTree's own overhead = (top-k + tree build + verify inputs + acceptance + KV compaction) / step time.
+Variants: no speculation; vLLM's DFlash chain (num_speculative_tokens = block_size - 1; T = 0 only,
+since vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1 (`ddtree_topk: 1`, the
+chain's shape under DDTree's exact sampler: the chain baseline at T > 0, and the stage-timed chain of
+the zero-overhead bound); DDTree at fixed budgets (`ddtree_adaptive: false`); and DDTree's default
+configuration (`num_speculative_tokens` = `--default-budget`, adaptive).
 
-How: one in-process CPU engine per variant (engines are the expensive part), warmed up once, then
-timed on every (temperature, batch, repeat) it serves. The chain baseline is vLLM's DFlash chain
-(`num_speculative_tokens = block_size - 1`) at T=0; at T>0 it is DDTree of width 1 (`ddtree_topk=1`, the
-chain's shape), because stock dflash's CPU sampler is biased at T>0. Width 1 also runs at T=0, where
-it must match the chain's tokens per step at (almost) its step time. At T>0 each prompt gets its own seeded
-SamplingParams. At T=0 every variant's outputs are compared with no speculation (DDTree is lossless);
-mismatches are recorded in the JSON and printed, not raised. n-gram is not run: once an n-gram engine
-has run, vLLM 0.32 cannot start another engine in the process.
+How (`vllm_ddtree.demo.engines`): one engine per variant, each in its own vLLM engine-core process, all
+alive at once. Per cell, `--warmup-rounds` untimed rounds (which also fill the prefix cache: in 2k
+cells the timed rounds then prefill only each prompt's last partial KV block, so they time decoding
+after a 2k context), then `--rounds` timed rounds; each round times every variant once on the cell's
+work, in an order rotated by one place per round (the rotation continues across cells).
 
-The pair is the demo's: the embedded trained pair with held-out code prompts (text).
+Reported per cell, per variant (`vllm_ddtree.demo.stats`), as median [min-max] over rounds:
+* output tokens/s (tokens over the summed wall time of the generate calls);
+* tokens per step: 1 + accepted / decode steps, from the engine's own spec-decode stats;
+* ratios to no speculation and to the chain baseline (vLLM's chain at T = 0, width 1 at T > 0),
+  taken inside each round, never as ratios of medians;
+* for DDTree engines, milliseconds per engine step by runner stage (VLLM_DDTREE_STAGE_TIMES=1) and
+  outside the runner, target-forward rows per step and milliseconds per row;
+* for fixed budgets, the zero-overhead bound: the tree's tokens/s with DDTree's own stages free and
+  its target forward at the width-1 chain's cost per row, over the chain baseline's tokens/s;
+* for the default (adaptive) configuration, decode steps its policy timed per tree shape.
+At T = 0 every variant's output in every round is compared with no speculation's (DDTree is lossless);
+mismatches are printed and recorded in the JSON. vLLM's n-gram is not run (see vllm_ddtree/demo).
 
-    python benchmarks/bench.py [--quick] [--batches 1 4 16] [--budgets 8 16 32 64 128] [--temperatures 0 1]
-                               [--prompts 16] [--max-tokens 64] [--repeats 3] [--out benchmarks/results]
+    python benchmarks/bench.py [--quick] [--batches 1 4 16] [--temperatures 0 1] [--contexts short 2k]
+        [--budgets 8 16 32 64] [--default-budget 32] [--prompts 16] [--max-tokens 64] [--rounds 3]
+        [--warmup-rounds 1] [--out benchmarks/results]
+
+Output: tables on stdout; JSON, PNG plots and the engines' log (vLLM's own output) under --out.
 """
 
 from __future__ import annotations
@@ -35,71 +44,57 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from vllm_ddtree.demo.side_by_side import (
-    ENGINE_DEFAULTS,
-    configure_cpu_environment,
-    read_spec_counters,
-    shutdown,
-    tokens_per_decode_step,
-)
-from vllm_ddtree.vllm.stage_times import ACCEPTANCE, DRAFT_TOPK, KV_COMPACTION, TREE_BUILD
-from vllm_ddtree.vllm.stage_times import ENV_FLAG as STAGE_TIMES_FLAG
+from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
+from vllm_ddtree.demo.engines import shutdown_all, start_engines
+from vllm_ddtree.demo.quiet import log_tail, output_to_log
+from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_bound, format_shapes
+from vllm_ddtree.demo.summary import format_speed_table, format_stage_table, greedy_mismatches, summarize
 
-MAX_MODEL_LEN = 1024
+SHORT_PROMPT_TOKENS = 64
+LONG_CONTEXT_TOKENS = 2048  # the pair's max_position_embeddings
+KV_CACHE_BYTES = {"short": 64 * 2**20, "2k": 320 * 2**20}  # 2k: 16 prompts of 2k cached, plus trees
 
 
 @dataclass(frozen=True)
-class BenchVariant:
-    """One engine: `kind` is "none", "chain", "width1", "ddtree" or "adaptive"; `temperatures` are the
-    ones it is timed at."""
-
-    name: str
-    kind: str
-    budget: int | None
-    speculative_config: dict[str, Any] | None
-    temperatures: tuple[float, ...]
-
-
-@dataclass
-class Measurement:
-    """Medians over repeats of one variant at one (batch, temperature)."""
-
-    variant: str
-    kind: str
-    budget: int | None
+class Cell:
     batch: int
     temperature: float
-    repeats: int
-    tokens_per_step: float
-    tokens_per_second: float
-    seconds: list[float]
-    acceptance_per_position: list[float]
-    speedup_vs_none: float | None = None
-    speedup_vs_chain: float | None = None
-    stage_ms_per_step: dict[str, float] | None = None
-    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    context: str
+
+    @property
+    def label(self) -> str:
+        return f"batch {self.batch}, T={self.temperature:g}, {self.context} context"
+
+
+Measured = list[tuple[Cell, list[VariantSummary]]]
+"""Each measured cell with its variants' summaries."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--prompts", type=int, default=16, help="held-out prompts served at every batch size")
+    parser.add_argument("--contexts", nargs="+", choices=("short", "2k"), default=["short", "2k"])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64], help="fixed DDTree budgets")
+    parser.add_argument("--default-budget", type=int, default=32, help="num_speculative_tokens of the default (adaptive) config")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts served in every cell")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds per cell")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds per cell before the timed ones")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--quick", action="store_true", help="batches 1 4, budgets 8 32, T 0, repeats 1, 4 prompts, max_tokens 32")
+    parser.add_argument(
+        "--quick", action="store_true", help="batches 1 4, T 0, short context, budgets 8 32, 4 prompts, 32 tokens, 2 rounds"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.batches, args.budgets, args.temperatures, args.repeats, args.max_tokens = [1, 4], [8, 32], [0.0], 1, 32
-        args.prompts = 4
+        args.batches, args.temperatures, args.contexts, args.budgets = [1, 4], [0.0], ["short"], [8, 32]
+        args.prompts, args.max_tokens, args.rounds = 4, 32, 2
     return args
 
 
@@ -114,357 +109,221 @@ def machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "vllm": vllm.__version__,
-        "torch_threads": torch.get_num_threads(),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "load_average": os.getloadavg(),
     }
 
 
-def select_pair(num_prompts: int) -> tuple[str, str, list[str]]:
-    """(target, draft, held-out text prompts) of the embedded pair, as `make demo` uses it."""
-    from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
-
-    target, draft = demo_pair_paths()
-    return target, draft, heldout_prompts(num_prompts, 64, as_text=True)
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    """Every selected (context, temperature, batch), in that nesting order."""
+    return [Cell(b, t, c) for c in args.contexts for t in args.temperatures for b in args.batches]
 
 
-def build_variants(draft: str, budgets: list[int], temperatures: list[float]) -> list[BenchVariant]:
-    """No speculation; vLLM's DFlash chain (T=0 only); DDTree of width 1 (top-1 at every depth, budget
-    block_size - 1: the chain's shape under our exact sampler, the chain baseline at T>0); DDTree budgets;
-    DDTree with the adaptive budget capped at the largest budget."""
-    with open(os.path.join(draft, "config.json")) as f:
-        chain_length = json.load(f)["block_size"] - 1
-    all_t = tuple(temperatures)
-    greedy = tuple(t for t in temperatures if t == 0)
-    variants = [BenchVariant("no speculation", "none", None, None, all_t)]
-    if greedy:
-        config = {"method": "dflash", "model": draft, "num_speculative_tokens": chain_length}
-        variants.append(BenchVariant("dflash chain (vLLM)", "chain", None, config, greedy))
-    config = {"method": "ddtree", "model": draft, "num_speculative_tokens": chain_length, "ddtree_topk": 1}
-    variants.append(BenchVariant("ddtree width 1", "width1", chain_length, config, all_t))
-    for b in budgets:
-        config = {"method": "ddtree", "model": draft, "num_speculative_tokens": b}
-        variants.append(BenchVariant(f"ddtree budget {b}", "ddtree", b, config, all_t))
-    cap = max(budgets)
-    config = {"method": "ddtree", "model": draft, "num_speculative_tokens": cap, "ddtree_adaptive": True}
-    variants.append(BenchVariant(f"ddtree adaptive <={cap}", "adaptive", cap, config, all_t))
-    return variants
+def prompt_tokens(context: str, max_tokens: int) -> int:
+    """Prompt length of a context: 64, or 2048 - max_tokens (prompt + output fill the pair's positions)."""
+    return SHORT_PROMPT_TOKENS if context == "short" else LONG_CONTEXT_TOKENS - max_tokens
 
 
-def sampling_for(prompt_indices: range, temperature: float, max_tokens: int) -> Any:
-    """One greedy SamplingParams at T=0; at T>0 one SamplingParams per prompt, seeded by its index."""
-    from vllm import SamplingParams
-
-    if temperature == 0:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [SamplingParams(temperature=temperature, seed=1000 + i, max_tokens=max_tokens, ignore_eos=True) for i in prompt_indices]
+def engine_kwargs(contexts: list[str], max_tokens: int) -> dict[str, Any]:
+    """Engine settings: max_model_len for the longest prompt + output, a KV cache for the largest context."""
+    longest = max(prompt_tokens(c, max_tokens) for c in contexts)
+    return {**ENGINE_KWARGS, "max_model_len": max(1024, longest + max_tokens), "kv_cache_memory_bytes": max(KV_CACHE_BYTES[c] for c in contexts)}
 
 
-@dataclass
-class TimedRun:
-    seconds: float
-    tokens_per_step: float
-    tokens_per_second: float
-    acceptance_per_position: list[float]
-    token_ids: list[list[int]]
-    stage_ms_per_step: dict[str, float] | None
+def measure_cell(
+    engines: list[Engine], work: Work, rounds: int, warmup_rounds: int, shift: int
+) -> tuple[dict[str, list[TimedRun]], list[dict[str, TimedRun]]]:
+    """`warmup_rounds` untimed rounds, then `rounds` timed ones; round k runs the engines rotated by
+    `shift` + k. Returns the timed runs per variant (round by round) and every round, warm-up
+    included (for the identity check)."""
+    every = [run_round(engines, work, shift + k) for k in range(warmup_rounds + rounds)]
+    timed = every[warmup_rounds:]
+    return {e.name: [r[e.name] for r in timed] for e in engines}, every
 
 
-def stage_timer(llm: Any) -> Any:
-    """The DDTree runner's StageTimes (None for other methods)."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return getattr(runner, "stage_times", None)
-
-
-def timed_generate(llm: Any, prompts: list[Any], batch: int, temperature: float, max_tokens: int) -> TimedRun:
-    """All `prompts`, `batch` per `LLM.generate` call; seconds are the calls' summed wall time."""
-    timer = stage_timer(llm)
-    if timer is not None:
-        timer.reset()
-    before = read_spec_counters(llm)
-    seconds, token_ids = 0.0, []
-    for first in range(0, len(prompts), batch):
-        group = range(first, min(first + batch, len(prompts)))
-        sampling = sampling_for(group, temperature, max_tokens)
-        start = time.perf_counter()
-        outputs = llm.generate(prompts[group.start : group.stop], sampling, use_tqdm=False)
-        seconds += time.perf_counter() - start
-        token_ids += [list(o.outputs[0].token_ids) for o in outputs]
-    c = read_spec_counters(llm) - before
-    stages = None
-    if timer is not None and timer.enabled:
-        snapshot = timer.snapshot()
-        steps = max(1.0, snapshot.pop("steps"))
-        stages = {name: 1000 * value / steps for name, value in snapshot.items()}
-    return TimedRun(
-        seconds=seconds,
-        tokens_per_step=tokens_per_decode_step(c, sum(map(len, token_ids)), len(token_ids)),
-        tokens_per_second=sum(map(len, token_ids)) / seconds,
-        acceptance_per_position=[a / c.drafts for a in c.accepted_per_position] if c.drafts else [],
-        token_ids=token_ids,
-        stage_ms_per_step=stages,
-    )
-
-
-def median_stages(runs: list[TimedRun]) -> dict[str, float] | None:
-    if runs[0].stage_ms_per_step is None:
-        return None
-    return {name: statistics.median(r.stage_ms_per_step[name] for r in runs) for name in runs[0].stage_ms_per_step}
-
-
-def measure_variant(
-    target: str, variant: BenchVariant, prompts: list[Any], args: argparse.Namespace
-) -> list[Measurement]:
-    """One engine for the variant: warm-up, then every (temperature, batch, repeat) it serves."""
-    from vllm import LLM
-
-    kwargs = {**ENGINE_DEFAULTS, "max_model_len": MAX_MODEL_LEN}
-    llm = LLM(model=target, speculative_config=variant.speculative_config, **kwargs)
-    results = []
-    try:
-        llm.generate(prompts[:1], sampling_for(range(1), 0.0, args.max_tokens), use_tqdm=False)
-        for temperature in variant.temperatures:
-            for batch in args.batches:
-                runs = [timed_generate(llm, prompts, batch, temperature, args.max_tokens) for _ in range(args.repeats)]
-                results.append(
-                    Measurement(
-                        variant=variant.name,
-                        kind=variant.kind,
-                        budget=variant.budget,
-                        batch=batch,
-                        temperature=temperature,
-                        repeats=args.repeats,
-                        tokens_per_step=statistics.median(r.tokens_per_step for r in runs),
-                        tokens_per_second=statistics.median(r.tokens_per_second for r in runs),
-                        seconds=[r.seconds for r in runs],
-                        acceptance_per_position=runs[0].acceptance_per_position,
-                        stage_ms_per_step=median_stages(runs),
-                        token_ids=runs[0].token_ids,
-                    )
-                )
-    finally:
-        shutdown(llm)
-    return results
-
-
-def add_speedups(results: list[Measurement]) -> None:
-    for m in results:
-        cell = [r for r in results if (r.batch, r.temperature) == (m.batch, m.temperature)]
-        none = next((r for r in cell if r.kind == "none"), None)
-        chain = next((r for r in cell if r.kind == "chain"), None) or next((r for r in cell if r.kind == "width1"), None)
-        m.speedup_vs_none = m.tokens_per_second / none.tokens_per_second if none else None
-        m.speedup_vs_chain = m.tokens_per_second / chain.tokens_per_second if chain else None
-
-
-def greedy_mismatches(results: list[Measurement]) -> list[dict[str, Any]]:
-    """Every T=0 (variant, batch) whose outputs differ from no speculation's, with the first differing prompt."""
-    mismatches = []
-    for m in results:
-        if m.temperature != 0 or m.kind == "none":
-            continue
-        ref = next((r for r in results if r.kind == "none" and r.temperature == 0 and r.batch == m.batch), None)
-        if ref is None or ref.token_ids == m.token_ids:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(ref.token_ids, m.token_ids)) if a != b)
-        mismatches.append({"variant": m.variant, "batch": m.batch, "first_differing_prompt": first})
-    return mismatches
-
-
-def target_checks(results: list[Measurement]) -> list[str]:
-    """The issue's targets, one line each, for every (batch, T) cell that has the variants involved."""
-    lines = []
-    for batch, temperature in sorted({(m.batch, m.temperature) for m in results}):
-        cell = [m for m in results if (m.batch, m.temperature) == (batch, temperature)]
-        tag = f"batch {batch:>2} T={temperature:g}:"
-        fixed = [m for m in cell if m.kind == "ddtree"]
-        chain = next((m for m in cell if m.kind == "chain"), None)
-        width1 = next((m for m in cell if m.kind == "width1"), None)
-        adaptive = next((m for m in cell if m.kind == "adaptive"), None)
-        if chain is not None and width1 is not None and chain is not width1:
-            lines.append(
-                f"{tag} width-1 step time / chain step time = "
-                f"{(chain.tokens_per_second / chain.tokens_per_step) / (width1.tokens_per_second / width1.tokens_per_step):.3f}"
-                f" (tokens/step {width1.tokens_per_step:.3f} vs {chain.tokens_per_step:.3f})"
-            )
-        if fixed:
-            best = max(fixed, key=lambda m: m.tokens_per_second)
-            lines.append(f"{tag} best fixed budget {best.budget}: {fmt_speedup(best.speedup_vs_chain)} the chain's tokens/s")
-            timed = [m for m in fixed if m.stage_ms_per_step and m.speedup_vs_chain is not None]
-            if timed:  # what the tree shapes would give if DDTree's own stages cost nothing
-                bound = max(timed, key=lambda m: m.speedup_vs_chain / (1 - overhead_fraction(m.stage_ms_per_step)))
-                lines.append(
-                    f"{tag} with DDTree's own stages at zero cost, best budget {bound.budget} would be "
-                    f"{bound.speedup_vs_chain / (1 - overhead_fraction(bound.stage_ms_per_step)):.2f}x the chain's tokens/s"
-                )
-            if adaptive is not None:
-                lines.append(f"{tag} adaptive / best fixed tokens/s = {adaptive.tokens_per_second / best.tokens_per_second:.3f}")
-                if width1 is not None:  # the chain shape is one of the adaptive budget's candidates too
-                    best_shape = max(fixed + [width1], key=lambda m: m.tokens_per_second)
-                    lines.append(
-                        f"{tag} adaptive / best fixed shape ({best_shape.variant}) tokens/s = "
-                        f"{adaptive.tokens_per_second / best_shape.tokens_per_second:.3f}"
-                    )
-        for m in fixed:
-            if m.stage_ms_per_step:
-                lines.append(f"{tag} budget {m.budget}: DDTree overhead {100 * overhead_fraction(m.stage_ms_per_step):.1f}% of step time")
-    return lines
-
-
-def fmt_speedup(value: float | None) -> str:
-    return f"{value:.2f}x" if value is not None else "-"
-
-
-def format_table(results: list[Measurement]) -> str:
-    header = f"{'batch':>5} {'T':>4} {'variant':<22} {'tokens/step':>11} {'tokens/s':>9} {'vs none':>8} {'vs chain':>8}"
-    lines = [header, "-" * len(header)]
-    for m in sorted(results, key=lambda r: (r.temperature, r.batch)):
-        lines.append(
-            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} {m.tokens_per_step:>11.2f} {m.tokens_per_second:>9.1f}"
-            f" {fmt_speedup(m.speedup_vs_none):>8} {fmt_speedup(m.speedup_vs_chain):>8}"
-        )
+def format_matrix(cells: Measured) -> str:
+    """Median tokens/s over the chain baseline's, per cell and variant (the README table)."""
+    names = list(dict.fromkeys(s.variant for _, summaries in cells for s in summaries))
+    short = [n.replace("ddtree ", "").replace(" (vLLM)", "") for n in names]
+    lines = ["| batch | T | context | " + " | ".join(short) + " |", "|---|---|---|" + "---|" * len(names)]
+    for cell, summaries in cells:
+        by_name = {s.variant: s for s in summaries}
+        values = [f"{by_name[n].vs_chain.median:.2f}" if n in by_name and by_name[n].vs_chain else "-" for n in names]
+        lines.append(f"| {cell.batch} | {cell.temperature:g} | {cell.context} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
-OVERHEAD_STAGES = (DRAFT_TOPK, TREE_BUILD, ACCEPTANCE, KV_COMPACTION)
-
-
-def overhead_fraction(stages: dict[str, float]) -> float:
-    """DDTree's own work per step over the step's wall time."""
-    return sum(stages[name] for name in OVERHEAD_STAGES) / sum(stages.values())
-
-
-def format_stage_table(results: list[Measurement]) -> str:
-    staged = [m for m in results if m.stage_ms_per_step]
-    if not staged:
-        return ""
-    names = list(staged[0].stage_ms_per_step)
-    widths = [max(8, len(n)) for n in names]
-    header = f"{'batch':>5} {'T':>4} {'variant':<22} " + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + f" {'step ms':>8} {'overhead':>8}"
-    lines = ["milliseconds per engine step by stage (medians over repeats)", header, "-" * len(header)]
-    for m in sorted(staged, key=lambda r: (r.temperature, r.batch, r.budget or 0)):
-        st = m.stage_ms_per_step
-        lines.append(
-            f"{m.batch:>5} {m.temperature:>4g} {m.variant:<22} " + " ".join(f"{st[n]:>{w}.2f}" for n, w in zip(names, widths))
-            + f" {sum(st.values()):>8.2f} {100 * overhead_fraction(st):>7.1f}%"
-        )
-    return "\n".join(lines)
-
-
-def plot_stages(results: list[Measurement], path: str) -> None:
-    """Stacked bars: milliseconds per step by stage for every DDTree engine and (batch, T)."""
+def plot_speedups(cells: Measured, path: str) -> None:
+    """One panel per cell: tokens/s over the chain baseline per variant, median with min-max bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    staged = sorted((m for m in results if m.stage_ms_per_step), key=lambda r: (r.temperature, r.batch, r.budget or 0))
-    if not staged:
-        return
-    names = list(staged[0].stage_ms_per_step)
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(staged)), 5))
-    bottoms = [0.0] * len(staged)
-    for i, name in enumerate(names):
-        heights = [m.stage_ms_per_step[name] for m in staged]
-        ax.bar(range(len(staged)), heights, bottom=bottoms, color=f"C{i}", label=name)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    short = {"width1": "w1", "adaptive": "auto"}
-    labels = [f"{short.get(m.kind, m.budget)} b{m.batch} T{m.temperature:g}" for m in staged]
-    ax.set_xticks(range(len(staged)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("ms per engine step")
-    ax.set_title("DDTree step time by stage (budget, batch, temperature)")
-    ax.legend(fontsize=7)
+    columns = min(3, len(cells))
+    rows = -(-len(cells) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    for ax, (cell, summaries) in zip(axes.flat, cells):
+        shown = [s for s in summaries if s.vs_chain is not None]
+        medians = [s.vs_chain.median for s in shown]
+        errors = [[m - s.vs_chain.low for m, s in zip(medians, shown)], [s.vs_chain.high - m for m, s in zip(medians, shown)]]
+        ax.bar(range(len(shown)), medians, yerr=errors, color=[f"C{i}" for i in range(len(shown))], capsize=3)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(shown)), [s.variant.replace("ddtree ", "") for s in shown], rotation=45, ha="right", fontsize=7)
+        ax.set_title(cell.label, fontsize=9)
+        ax.set_ylabel("tokens/s over the chain")
+    for ax in axes.flat[len(cells) :]:
+        ax.axis("off")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot(results: list[Measurement], metric: str, ylabel: str, path: str) -> None:
-    """`metric` vs DDTree budget, one line per (batch, T); chain (dashed) and no speculation (dotted) as references."""
+def plot_tokens_per_step(cells: Measured, path: str) -> None:
+    """Tokens per step vs fixed budget, one line per cell; the width-1 chain as a dashed reference."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    cells = sorted({(m.batch, m.temperature) for m in results})
-    for i, (batch, temperature) in enumerate(cells):
-        color = f"C{i % 10}"
-        cell = [m for m in results if (m.batch, m.temperature) == (batch, temperature)]
-        tree = sorted((m for m in cell if m.kind == "ddtree"), key=lambda m: m.budget or 0)
-        if tree:
-            ax.plot([m.budget for m in tree], [getattr(m, metric) for m in tree], "o-", color=color, label=f"ddtree, batch {batch}, T={temperature:g}")
-        for kind, style in (("chain", "--"), ("none", ":"), ("adaptive", "-.")):
-            ref = next((m for m in cell if m.kind == kind), None)
-            if ref is not None:
-                ax.axhline(getattr(ref, metric), linestyle=style, color=color, alpha=0.7, label=f"{ref.variant}, batch {batch}, T={temperature:g}")
+    for i, (cell, summaries) in enumerate(cells):
+        fixed = sorted((s for s in summaries if s.kind == "fixed"), key=lambda s: s.budget)
+        ax.plot([s.budget for s in fixed], [s.tokens_per_step.median for s in fixed], "o-", color=f"C{i % 10}", label=cell.label)
+        width1 = next((s for s in summaries if s.kind == "width1"), None)
+        if width1 is not None:
+            ax.axhline(width1.tokens_per_step.median, linestyle="--", color=f"C{i % 10}", alpha=0.6)
     ax.set_xscale("log", base=2)
-    budgets = sorted({m.budget for m in results if m.budget is not None})
-    if budgets:
-        ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.minorticks_off()
-    ax.set_xlabel("DDTree budget (draft tokens per tree)")
-    ax.set_ylabel(ylabel)
+    ax.set_xlabel("DDTree budget (dashed: width 1)")
+    ax.set_ylabel("tokens per step")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def write_outputs(out_dir: str, report: dict[str, Any], results: list[Measurement]) -> list[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
+def plot_stages(cells: Measured, path: str) -> None:
+    """Stacked bars: milliseconds per step (draft, own, target forward, rest, outside) per stage-timed variant and cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(cell, s) for cell, summaries in cells for s in summaries if s.step_ms]
+    if not bars:
+        return
+    parts = ("draft", "own", "forward", "rest", "outside")
+    fig, ax = plt.subplots(figsize=(max(8, 0.4 * len(bars)), 5))
+    bottoms = [0.0] * len(bars)
+    for i, part in enumerate(parts):
+        heights = [getattr(s.step_ms, part) for _, s in bars]
+        ax.bar(range(len(bars)), heights, bottom=bottoms, color=f"C{i}", label=part)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    labels = [f"{s.variant.replace('ddtree ', '')} | b{c.batch} T{c.temperature:g} {c.context}" for c, s in bars]
+    ax.set_xticks(range(len(bars)), labels, rotation=70, ha="right", fontsize=6)
+    ax.set_ylabel("ms per engine step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[dict[str, Any], Measured]:
+    """Start the engines, measure every cell and print its tables; returns the JSON report and the summaries."""
+    from vllm_ddtree.demo import demo_pair_paths
+
+    target, draft = demo_pair_paths()
+    cells = cells_of(args)
+    variants = build_variants(draft, args.budgets, args.default_budget, with_chain=any(c.temperature == 0 for c in cells))
+    spec_of = {v.name: v for v in variants}
+    prompts = {c: tuple(map(tuple, context_prompts(args.prompts, prompt_tokens(c, args.max_tokens)))) for c in args.contexts}
+    say(f"target {target}\ndraft  {draft}\nstarting {len(variants)} engines")
+    kwargs = engine_kwargs(args.contexts, args.max_tokens)
+    engines, errors = start_engines(target, [(v.name, v.speculative_config) for v in variants], kwargs, say)
+    report: dict[str, Any] = {"pair": {"target": target, "draft": draft}, "engine_kwargs": kwargs, "cells": [], "greedy_mismatches": []}
+    report["errors"] = [{"variant": name, "error": error} for name, error in errors.items()]
+    measured: Measured = []
+    shift = 0
+    try:
+        for cell in cells:
+            active = [e for e in engines if cell.temperature == 0 or not spec_of[e.name].greedy_only]
+            work = Work(prompts[cell.context], cell.batch, cell.temperature, args.max_tokens)
+            start = time.perf_counter()
+            try:
+                runs, rounds = measure_cell(active, work, args.rounds, args.warmup_rounds, shift)
+            except Exception as exc:  # noqa: BLE001 - keep the cells measured so far
+                report["errors"].append({"cell": cell.label, "error": f"{type(exc).__name__}: {exc}"})
+                say(f"  FAILED: {cell.label}: {report['errors'][-1]['error']}")
+                continue
+            shift += args.warmup_rounds + args.rounds
+            seconds = time.perf_counter() - start
+            summaries = summarize(cell.temperature, variants, runs)
+            measured.append((cell, summaries))
+            if cell.temperature == 0:
+                report["greedy_mismatches"] += greedy_mismatches(cell.label, rounds)
+            report["cells"].append(cell_json(cell, work, seconds, runs, summaries))
+            say(f"\n== {cell.label}: {len(work.prompts)} prompts of {len(work.prompts[0])} tokens, {args.max_tokens} new tokens each,"
+                f" {args.rounds} timed rounds ({seconds:.0f} s) ==")
+            for block in (format_speed_table(summaries), format_stage_table(summaries), format_bound(summaries), format_shapes(summaries)):
+                if block:
+                    say(block)
+    finally:
+        shutdown_all(engines)
+    return report, measured
+
+
+def cell_json(cell: Cell, work: Work, seconds: float, runs: dict[str, list[TimedRun]], summaries: list[VariantSummary]) -> dict[str, Any]:
+    return {
+        "batch": cell.batch,
+        "temperature": cell.temperature,
+        "context": cell.context,
+        "prompt_tokens": len(work.prompts[0]),
+        "seconds": seconds,
+        "variants": [s.to_json() for s in summaries],
+        "per_round_seconds": {name: [r.seconds for r in rs] for name, rs in runs.items()},
+    }
+
+
+def write_outputs(stem: str, report: dict[str, Any], measured: Measured) -> list[str]:
+    """JSON and, when cells were measured, the plots; returns the paths."""
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=2)
-    plot(results, "tokens_per_step", "tokens per step", stem + "-tokens_per_step.png")
-    plot(results, "tokens_per_second", "output tokens/s", stem + "-tokens_per_second.png")
-    plot_stages(results, stem + "-stages.png")
-    return [stem + ".json", stem + "-tokens_per_step.png", stem + "-tokens_per_second.png", stem + "-stages.png"]
+    paths = [stem + ".json"]
+    if measured:
+        for suffix, plot in (("-speedup.png", plot_speedups), ("-tokens_per_step.png", plot_tokens_per_step), ("-stages.png", plot_stages)):
+            plot(measured, stem + suffix)
+            paths.append(stem + suffix)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the table is the output
-    configure_cpu_environment()
-    os.environ[STAGE_TIMES_FLAG] = "1"  # DDTree engines time their stages (a few perf_counter calls per step)
-    machine = machine_info()
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), flush=True)
+    configure_environment()
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
+    began = time.perf_counter()
+    try:
+        with output_to_log(stem + ".log") as console:
+            def say(line: str) -> None:
+                print(line, file=console, flush=True)
 
-    results: list[Measurement] = []
-    errors: list[dict[str, str]] = []
-    target, draft, prompts = select_pair(args.prompts)
-    print(f"target {target}\ndraft  {draft}", flush=True)
-    for variant in build_variants(draft, args.budgets, args.temperatures):
-        start = time.perf_counter()
-        try:
-            results.extend(measure_variant(target, variant, prompts, args))
-        except Exception as exc:  # noqa: BLE001 - one broken variant must not lose the others' numbers
-            errors.append({"variant": variant.name, "error": f"{type(exc).__name__}: {exc}"})
-            print(f"  FAILED: {variant.name}: {errors[-1]['error']}", file=sys.stderr, flush=True)
-            continue
-        print(f"  done: {variant.name} ({time.perf_counter() - start:.1f} s)", flush=True)
-
-    add_speedups(results)
-    mismatches = greedy_mismatches(results)
-    print("\n" + format_table(results))
-    print("\n" + format_stage_table(results))
-    checks = target_checks(results)
-    print("\n" + "\n".join(checks))
-    if mismatches:
-        print(f"\nMISMATCH: greedy output differs from no speculation: {mismatches}", file=sys.stderr)
-    elif any(m.temperature == 0 for m in results):
-        print("\ngreedy outputs identical to no speculation for every variant and batch")
-
-    report = {
-        "machine": machine,
-        "args": vars(args),
-        "pair": {"target": target, "draft": draft},
-        "measurements": [{k: v for k, v in asdict(m).items() if k != "token_ids"} for m in results],
-        "greedy_mismatches": mismatches,
-        "target_checks": checks,
-        "errors": errors,
-    }
-    for path in write_outputs(args.out, report, results):
+            machine = machine_info()
+            say("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+            report, measured = measure_cells(args, say)
+    except BaseException:
+        print(f"last lines of the engine log {stem}.log:\n{log_tail(stem + '.log')}", file=sys.stderr)
+        raise
+    if measured:
+        print("\nmedian tokens/s over the chain baseline's (vLLM's DFlash chain at T=0, DDTree width 1 at T>0):\n" + format_matrix(measured))
+    report = {"machine": machine, "args": vars(args), "wall_seconds": time.perf_counter() - began, **report, "matrix": format_matrix(measured)}
+    if report["greedy_mismatches"]:
+        print(f"\nMISMATCH: greedy output differs from no speculation: {report['greedy_mismatches']}", file=sys.stderr)
+    elif any(cell.temperature == 0 for cell, _ in measured):
+        print("\ngreedy outputs identical to no speculation (every T=0 cell, variant and round, warm-up included)")
+    for path in write_outputs(stem, report, measured) + [stem + ".log"]:
         print(f"wrote {path}")
+    print(f"wall time {report['wall_seconds']:.0f} s")
     return 0
 
 

@@ -91,18 +91,23 @@ class RunStats:
         return [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
 
 
-def tokens_per_decode_step(counters: SpecCounters, output_tokens: int, requests: int) -> float:
-    """Committed tokens per decode step: 1 + accepted draft tokens / decode steps.
+def decode_steps(counters: SpecCounters, output_tokens: int, requests: int) -> int:
+    """Decode steps summed over requests.
 
     vLLM counts a "draft" (one request's proposal in one step) only when a step proposed tokens, so for
-    a method that sometimes proposes none (n-gram without a match) 1 + accepted / drafts counts only
-    its lucky steps. Every decode step commits its accepted drafts + 1 token, and the prefill each
-    request's first, so decode steps = output tokens - requests - accepted. (An accepted draft past
-    max_tokens is counted but not output; then this falls below drafts, which are exact for methods
-    that draft at every step, and drafts are taken.)
+    a method that sometimes proposes none (n-gram without a match, the adaptive budget's steps without
+    speculation) drafts miss steps. Every decode step commits its accepted drafts + 1 token, and the
+    prefill each request's first, so decode steps = output tokens - requests - accepted. (An accepted
+    draft past max_tokens is counted but not output; then this falls below drafts, which are exact for
+    methods that draft at every step, and drafts are taken.)
     """
-    decode_steps = max(counters.drafts, output_tokens - requests - counters.accepted)
-    return 1.0 + counters.accepted / decode_steps if decode_steps > 0 else 1.0
+    return max(counters.drafts, output_tokens - requests - counters.accepted)
+
+
+def tokens_per_decode_step(counters: SpecCounters, output_tokens: int, requests: int) -> float:
+    """Committed tokens per decode step: 1 + accepted draft tokens / decode steps (`decode_steps`)."""
+    steps = decode_steps(counters, output_tokens, requests)
+    return 1.0 + counters.accepted / steps if steps > 0 else 1.0
 
 
 def read_spec_counters(llm: Any) -> SpecCounters:

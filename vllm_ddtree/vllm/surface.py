@@ -124,6 +124,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(_BLOCK_TABLE, "get_cpu_tensor", "read-method", "block ids of each request, for the tree masks' K/V windows", params=()),
     VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens and tree shape reach every rank", params=("input_", "*", "src")),
     VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
+    VLLMMember("vllm.v1.sample.sampler.Sampler", "gather_logprobs", "read-method", "emitted tokens' logprob, rank and top n in vLLM's own layout", params=("logprobs", "num_logprobs", "token_ids")),
     VLLMMember("vllm.v1.outputs.DraftTokenIds", "__init__", "read-method", "empty drafts for a step whose drafter did not run", params=("req_ids", "draft_token_ids")),
     VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "set_inputs_first_pass", "read-method", "an off step lays out the draft's context positions and slots as a full pass does", params=("target_token_ids", "next_token_ids", "target_positions", "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
     # ---- state we read -----------------------------------------------------------------------------------------------
@@ -138,6 +139,10 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads(_INPUT_BATCH, "block_table", "the KV slots and blocks of this step's rows"),
     *_reads(_BLOCK_TABLE, "slot_mapping block_size", "this step's per-row KV slots (.cpu), the block size for the tree masks"),
     *_reads("vllm.v1.utils.CpuGpuBuffer", "np cpu", "host views of the runner's buffers"),
+    *_reads(_GPU_RUNNER, "sampler", "vLLM's sampler: its logprobs_mode and gather_logprobs (it never samples for method 'ddtree')"),
+    *_reads("vllm.v1.sample.sampler.Sampler", "logprobs_mode", "which distribution logprobs report"),
+    *_reads("vllm.v1.outputs.LogprobsTensors", "logprob_token_ids logprobs selected_token_ranks", "_sample's logprobs, built positionally in this order, one row per output slot", created_in=None),
+    *_reads("vllm.v1.sample.metadata.SamplingMetadata", "max_num_logprobs", "whether and how many logprobs the batch asks for", created_in=None),
     *_reads("vllm.v1.sample.metadata.SamplingMetadata", "all_greedy temperature top_k top_p generators", "tree nodes are sampled under each request's own parameters and seed", created_in=None),
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens scheduled_spec_decode_tokens", "which requests verify drafts, for the trees and the step clock", created_in=None),
     *_reads("vllm.v1.kv_cache_interface.KVCacheConfig", "kv_cache_groups", "target and draft must share one KV cache group", created_in=None),
