@@ -13,7 +13,8 @@ must give p > 1e-3. Power: moving a mass d between two cells of probability 0.1 
 non-centrality by 1000 d^2 * 20, so at alpha = 1e-3 the test detects d = TV = 0.05 with power >= 0.9
 with up to 30 degrees of freedom (0.71 with 60) and d = 0.04 with power 0.94 for the first token (stock
 vLLM's CPU rejection sampler, for comparison, is off by a TV of ~0.7 here). top_k alone (no top_p) has a
-setting of its own: it once took a different path in vLLM's sampler. Seeds under forced tree shapes:
+setting of its own: it once took a different path in vLLM's sampler. Penalties have one too: tokens 2
+and 3 are drawn at tree nodes whose histories (output + the node's path) set the penalties. Seeds under forced tree shapes:
 tests/e2e/test_sampling_options.py.
 """
 
@@ -34,6 +35,7 @@ SETTINGS = {
     "T=1": {"temperature": 1.0},
     "T=0.8,top_p=0.9,top_k=6": {"temperature": 0.8, "top_p": 0.9, "top_k": 6},
     "T=1,top_k=3": {"temperature": 1.0, "top_k": 3},
+    "T=1,penalties": {"temperature": 1.0, "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
 }
 
 

@@ -31,8 +31,9 @@ from vllm.v1.outputs import DraftTokenIds, LogprobsTensors, SamplerOutput
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
-from vllm_ddtree.vllm.sampling import emitted_logprob_values, sample_nodes, tree_sampling_params
+from vllm_ddtree.vllm.sampling import emitted_logprob_values, gather_node_logits, sample_nodes, tree_sampling_params
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -188,14 +189,19 @@ class DDTreeRunnerMixin:
         step = self.step
         assert step is not None and logits is not None
         with self.stage_times.stage(ACCEPTANCE):
-            params = tree_sampling_params(self.input_batch.sampling_metadata, self.input_batch.num_reqs)
-            target = sample_nodes(logits, step.node_logit_rows(), step.draw_positions(), params)
+            metadata = self.input_batch.sampling_metadata
+            params = tree_sampling_params(metadata, self.input_batch.num_reqs)
+            rows = step.node_logit_rows()
+            processed = None
+            if needs_node_processing(metadata):
+                processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
+            target = sample_nodes(logits, rows, step.draw_positions(), params, processed)
             step.target_token_ids = get_tp_group().broadcast(target, src=0)
             step.acceptance = accept_tree(step.tree, step.target_token_ids, step.ancestor_mask)
             output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
             accepted_rows = step.acceptance.output_token_ids
             output[:, : accepted_rows.shape[1]] = accepted_rows
-            logprobs = self._emitted_logprobs(logits, step, output)
+            logprobs = self._emitted_logprobs(logits, processed, step, output)
         with self.stage_times.stage(KV_COMPACTION):
             step.plan = kv_compaction_plan(step.acceptance)
             self._compact_target_kv(step)
@@ -203,11 +209,14 @@ class DDTreeRunnerMixin:
             self._clock_sampled(step, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
 
-    def _emitted_logprobs(self, logits: torch.Tensor, step: TreeStep, output: torch.Tensor) -> LogprobsTensors | None:
+    def _emitted_logprobs(
+        self, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
+    ) -> LogprobsTensors | None:
         """Logprobs of every emitted token (None unless a request asked for them), as plain decoding
         reports them: token k of a request's output was drawn at the k-th node of its accepted path,
-        from that node's logits row. Rows follow vLLM's layout for output [R, W]: row r * W + k, rows
-        of unused output slots zero (vLLM drops them with the slots)."""
+        from that node's logits row (raw modes), or its row after the history-dependent options
+        (`processed` [R, N, V], processed modes). Rows follow vLLM's layout for output [R, W]: row
+        r * W + k, rows of unused output slots zero (vLLM drops them with the slots)."""
         metadata = self.input_batch.sampling_metadata
         if metadata.max_num_logprobs is None:
             return None
@@ -215,9 +224,13 @@ class DDTreeRunnerMixin:
         emitted = output >= 0
         requests, columns = emitted.nonzero(as_tuple=True)
         nodes = step.acceptance.accepted_nodes[requests, columns]
-        rows = step.node_logit_rows()[requests, nodes]
+        mode = self.sampler.logprobs_mode
+        if processed is not None and mode.startswith("processed"):
+            source, rows = processed.flatten(0, 1), requests * step.tree.nodes_per_request + nodes
+        else:
+            source, rows = logits, step.node_logit_rows()[requests, nodes]
         params = tree_sampling_params(metadata, step.tree.num_requests, top_k_one_is_greedy=False)
-        values = emitted_logprob_values(logits, rows, requests, params, self.sampler.logprobs_mode)
+        values = emitted_logprob_values(source, rows, requests, params, mode)
         gathered = self.sampler.gather_logprobs(values, metadata.max_num_logprobs, output[emitted].long())
         slots = emitted.flatten().nonzero().squeeze(1)
         width = gathered.logprob_token_ids.shape[1]

@@ -46,17 +46,28 @@ def _rows(values: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
     return None if values is None else values[:num_reqs]
 
 
+def gather_node_logits(logits: torch.Tensor, node_logit_rows: torch.Tensor) -> torch.Tensor:
+    """[T, N, V] float32 copy of every node's logits row (index_select, not logits[rows]: 6x slower on CPU)."""
+    return logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1).to(torch.float32)
+
+
 def sample_nodes(
-    logits: torch.Tensor, node_logit_rows: torch.Tensor, draw_positions: torch.Tensor, params: TreeSamplingParams
+    logits: torch.Tensor,
+    node_logit_rows: torch.Tensor,
+    draw_positions: torch.Tensor,
+    params: TreeSamplingParams,
+    processed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The target's token [T, N] at every (padded) node, from the step's logits [rows, V] and the row of
     each node's logits node_logit_rows [T, N]; draw_positions [T, N]: the sequence position each node's
-    token is drawn for (root position + depth + 1). Greedy batches take row argmaxes before selecting
-    nodes (no [T, N, V] copy)."""
+    token is drawn for (root position + depth + 1). processed [T, N, V]: the nodes' logits after their
+    history-dependent options (`node_logits.process_node_logits`; left unchanged), None when the batch
+    uses none. Greedy batches without them take row argmaxes before selecting nodes (no copy)."""
+    if processed is not None:
+        return sample_tree_tokens(processed, params, draw_positions)
     if params.all_greedy:
         return argmax_first(logits)[node_logit_rows]
-    node_logits = logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1)  # not logits[rows]: 6x slower on CPU
-    return sample_tree_tokens(node_logits, params, draw_positions, inplace=True)
+    return sample_tree_tokens(gather_node_logits(logits, node_logit_rows), params, draw_positions, inplace=True)
 
 
 def emitted_logprob_values(

@@ -1,13 +1,13 @@
 """Per-request options method 'ddtree' supports, checked when vLLM admits a request.
 
-The tree walk compares the target's token at every node with the node's children. Options that change
-the target's distribution as a function of the tokens generated so far (penalties, min_tokens, logit
-bias, bad words, grammars) would need each node's own history, which the flat batch does not give them.
-logprobs (top n >= 0) and prompt_logprobs are served (each emitted token's from its node's logits
-row); logprobs of the whole vocabulary (-1) and logprob_token_ids are not. Temperature, top_k, top_p, seeds, n > 1 (each
-sample is its own request), stop strings and stop token ids are supported (the target's distribution at
-a node depends on the node's logits only; stops act on committed tokens). vLLM 0.32 itself refuses
-min_p and logit_bias under any speculative method.
+Served exactly: temperature, top_k, top_p, seeds, n > 1 (each sample is its own request), stop
+strings and stop token ids (stops act on committed tokens), logprobs (top n >= 0) and prompt_logprobs
+(each emitted token's from its node's logits row), and the options that depend on the tokens
+generated so far: presence / frequency / repetition penalties, min_tokens, bad_words and
+allowed_token_ids (every tree node is processed with its own history: the committed output plus its
+path, `node_logits`). Refused: logprobs of the whole vocabulary (-1), logprob_token_ids, structured
+outputs (no grammar state per tree node yet), thinking budgets and watermarking; vLLM 0.32 itself
+refuses min_p and logit_bias under any speculative method (and builds no processor for them).
 Such requests are refused at admission (`check_request`, called from vLLM's request validation: the
 caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and the engine
 keeps serving the other requests), never served with the options ignored.
@@ -31,13 +31,6 @@ def unsupported_options(params: Any) -> list[str]:
         "logprobs=-1 (the whole vocabulary)": params.logprobs is not None and params.logprobs < 0,
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "prompt_logprob_token_ids": getattr(params, "prompt_logprob_token_ids", None) is not None,
-        "presence_penalty": params.presence_penalty != 0.0,
-        "frequency_penalty": params.frequency_penalty != 0.0,
-        "repetition_penalty": params.repetition_penalty != 1.0,
-        "min_tokens": params.min_tokens > 0,
-        "logit_bias": bool(params.logit_bias),
-        "allowed_token_ids": bool(params.allowed_token_ids),
-        "bad_words": bool(params.bad_words),
         "structured outputs": params.structured_outputs is not None,
         "thinking_token_budget": params.thinking_token_budget is not None,
         "watermarking": bool(params.watermarking),
