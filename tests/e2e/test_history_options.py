@@ -1,5 +1,6 @@
-"""Options that depend on the tokens generated so far, under method 'ddtree': every tree node sees its
-own history (committed output + its path), so greedy outputs equal plain decoding's.
+"""Options that change the target's logits, under method 'ddtree': every tree node sees its own history
+(committed output + its path), so greedy outputs equal plain decoding's. logit_bias (like min_p) is
+refused by vLLM under other speculative methods; method 'ddtree' serves it with vLLM's own processor.
 
 Focused pair (deep trees, several FOCUS tokens competing, so penalties change the greedy choice),
 fixed budget 16; each option alone and combined, EOS honoured where min_tokens is tested. bad_words
@@ -21,6 +22,7 @@ OPTIONS = {
     "repetition_penalty": {"repetition_penalty": 1.4},
     "min_tokens": {"min_tokens": 20, "ignore_eos": False},
     "allowed_token_ids": {"allowed_token_ids": [FOCUS[0], FOCUS[2], FOCUS[3], 5, 100]},
+    "logit_bias": {"logit_bias": {FOCUS[1]: 1.5, FOCUS[3]: 2.5, 7: 4.0}},
     "all together": {"presence_penalty": 0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.2, "min_tokens": 10,
                      "ignore_eos": False, "allowed_token_ids": [FOCUS[0], FOCUS[1], FOCUS[2], 7]},
 }

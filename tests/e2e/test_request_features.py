@@ -37,24 +37,18 @@ TOKEN_BUDGET = 512
 
 def _unsupported() -> dict[str, tuple[dict, str, dict | None]]:
     """option -> (SamplingParams keywords, the refusal's message, the prompt if not the usual one).
-    vLLM 0.32 itself refuses logit_bias (and min_p) under any speculative method, and empty prompts and
-    prompts over max_model_len (and greedy n > 1) whatever the method."""
+    vLLM 0.32 itself refuses empty prompts and prompts over max_model_len (and greedy n > 1) whatever
+    the method. (Penalties, min_tokens, bad_words, allowed_token_ids, min_p and logit_bias are served:
+    test_history_options.py.)"""
     from vllm.sampling_params import StructuredOutputsParams
 
     ours = "method 'ddtree' does not support {}; use method 'dflash' or plain decoding for such requests"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     options = {
         "logprob_token_ids": {"logprob_token_ids": [1, 2]},
-        "presence_penalty": {"presence_penalty": 0.5},
-        "frequency_penalty": {"frequency_penalty": 0.5},
-        "repetition_penalty": {"repetition_penalty": 1.2},
-        "min_tokens": {"min_tokens": 4},
-        "allowed_token_ids": {"allowed_token_ids": [1, 2, 3]},
-        "bad_words": {"bad_words": ["return"]},
         "structured outputs": {"structured_outputs": StructuredOutputsParams(json=schema)},
     }
     cases = {name: (kw, ours.format(name), None) for name, kw in options.items()}
-    cases["logit_bias"] = ({"logit_bias": {5: 3.0}}, "min_p and logit_bias sampling parameters are not yet supported with speculative decoding", None)
     cases["empty prompt"] = ({}, "The decoder prompt cannot be empty", {"prompt_token_ids": []})
     cases["prompt over max_model_len"] = (
         {}, f"maximum context length is {MAX_MODEL_LEN} tokens", {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 1)}

@@ -14,7 +14,8 @@ non-centrality by 1000 d^2 * 20, so at alpha = 1e-3 the test detects d = TV = 0.
 with up to 30 degrees of freedom (0.71 with 60) and d = 0.04 with power 0.94 for the first token (stock
 vLLM's CPU rejection sampler, for comparison, is off by a TV of ~0.7 here). top_k alone (no top_p) has a
 setting of its own: it once took a different path in vLLM's sampler. Penalties have one too: tokens 2
-and 3 are drawn at tree nodes whose histories (output + the node's path) set the penalties. Seeds under forced tree shapes:
+and 3 are drawn at tree nodes whose histories (output + the node's path) set the penalties; and min_p
+with logit_bias (both refused by vLLM under its own speculative methods). Seeds under forced tree shapes:
 tests/e2e/test_sampling_options.py.
 """
 
@@ -36,6 +37,7 @@ SETTINGS = {
     "T=0.8,top_p=0.9,top_k=6": {"temperature": 0.8, "top_p": 0.9, "top_k": 6},
     "T=1,top_k=3": {"temperature": 1.0, "top_k": 3},
     "T=1,penalties": {"temperature": 1.0, "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.3},
+    "T=1,min_p=0.1,logit_bias": {"temperature": 1.0, "min_p": 0.1, "logit_bias": {3: 1.0, 5: 2.0}},  # small-vocab ids
 }
 
 

@@ -1,8 +1,8 @@
 """History-dependent request options at every tree node, exactly as plain decoding applies them.
 
 Plain decoding processes the logits of the token after position p with the request's output so far:
-allowed_token_ids, bad words, min_tokens (and any other non-argmax-invariant logits processor vLLM
-built), then presence / frequency / repetition penalties, in that order (vLLM's
+allowed_token_ids, bad words, min_tokens and logit_bias (the non-argmax-invariant logits processors),
+then presence / frequency / repetition penalties, in that order (vLLM's
 `Sampler.apply_logits_processors`). Tree node i sits where plain decoding would be after emitting the
 committed output and then the tokens of the node's path (its ancestors at depths 1..d and itself), so
 its history is `output_token_ids + path(i)`; its output position is len(output) + depth(i). Every node
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 
@@ -36,7 +36,11 @@ def needs_node_processing(metadata: Any) -> bool:
 
 
 def _active(processor: Any) -> bool:
-    return bool(processor.min_toks) if isinstance(processor, MinTokensLogitsProcessor) else True
+    if isinstance(processor, MinTokensLogitsProcessor):
+        return bool(processor.min_toks)
+    if isinstance(processor, LogitBiasLogitsProcessor):
+        return bool(processor.biases)
+    return True
 
 
 def path_tokens(step: TreeStep, request: int) -> list[list[int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 from vllm_ddtree.vllm.config import (
@@ -36,21 +37,41 @@ def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
     return create_engine_config
 
 
+_ADMITTING_FOR_DDTREE: ContextVar[bool] = ContextVar("vllm_ddtree_admitting", default=False)
+"""True while vLLM validates a request for a method 'ddtree' engine (set by the `_validate_params` patch)."""
+
+
 def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
     from vllm.sampling_params import SamplingParams
 
     @functools.wraps(original)
     def validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, params, *args, **kwargs)
-        if isinstance(params, SamplingParams) and DDTreeConfig.from_vllm_config(self.vllm_config) is not None:
+        ddtree = isinstance(params, SamplingParams) and DDTreeConfig.from_vllm_config(self.vllm_config) is not None
+        admitting = _ADMITTING_FOR_DDTREE.set(ddtree)
+        try:
+            result = original(self, params, *args, **kwargs)
+        finally:
+            _ADMITTING_FOR_DDTREE.reset(admitting)
+        if ddtree:
             check_request(params)
         return result
 
     return validate_params
 
 
+def _validate_spec_decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def validate_spec_decode(self: Any, speculative_config: Any) -> Any:
+        if _ADMITTING_FOR_DDTREE.get():
+            return None  # method 'ddtree' serves min_p and logit_bias (its only refusals) at every tree node
+        return original(self, speculative_config)
+
+    return validate_spec_decode
+
+
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.input_processor import InputProcessor
 
     return [
@@ -79,6 +100,19 @@ def all_patches() -> list[Patch]:
             make=_validate_params,
             why="refuse requests method 'ddtree' cannot serve at admission",
             remove_when="vLLM lets speculative methods validate requests (RFC vllm#36219)",
+        ),
+        # Why: vLLM 0.32 refuses min_p and logit_bias under every speculative method, because its
+        # rejection sampler cannot apply them. Method 'ddtree' samples every tree node with vLLM's own
+        # min_p and logit_bias processors (added to the batch by our runner), so for its engines alone
+        # the refusal is lifted: the wrapper skips SamplingParams._validate_spec_decode (whose only
+        # checks are these two) while `_validate_params` admits a request for a 'ddtree' engine.
+        # Remove when: vLLM lets a speculative method declare the sampling options it serves.
+        Patch(
+            owner=SamplingParams,
+            name="_validate_spec_decode",
+            make=_validate_spec_decode,
+            why="admit min_p and logit_bias for method 'ddtree' (served at every tree node)",
+            remove_when="vLLM lets speculative methods declare the sampling options they serve (RFC vllm#36219)",
         ),
     ]
 

@@ -28,6 +28,8 @@ from vllm.config import get_layers_from_vllm_config
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import DraftTokenIds, LogprobsTensors, SamplerOutput
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
@@ -66,9 +68,18 @@ class DDTreeRunnerMixin:
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self.num_chain_fallbacks = 0
+        self._serve_min_p_and_logit_bias()
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
         if self.drafter.budget_policy is not None:
             self.use_budget_policy(self.drafter.budget_policy)
+
+    def _serve_min_p_and_logit_bias(self) -> None:
+        """Add vLLM's own min_p and logit_bias processors to the batch's: vLLM builds only min_tokens
+        under speculative decoding (its rejection sampler applies no others), but every tree node's
+        distribution here is processed as plain decoding's (`node_logits`, the core's min_p)."""
+        logitsprocs = self.input_batch.logitsprocs
+        built = (MinPLogitsProcessor(self.vllm_config, self.device, False), LogitBiasLogitsProcessor(self.vllm_config, self.device, False))
+        self.input_batch.logitsprocs = LogitsProcessors([*logitsprocs.all, *built])
 
     def use_budget_policy(self, policy: BudgetPolicy) -> None:
         """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""

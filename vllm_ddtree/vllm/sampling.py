@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
 from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tokens
 from vllm_ddtree.core.sampling import argmax_first
@@ -38,8 +39,17 @@ def tree_sampling_params(sampling_metadata: Any, num_reqs: int, top_k_one_is_gre
         temperature=temperature,
         top_k=top_k,
         top_p=_rows(sampling_metadata.top_p, num_reqs),
+        min_p=_min_p(sampling_metadata, num_reqs),
         seeds={int(i): g.initial_seed() for i, g in sampling_metadata.generators.items() if int(i) < num_reqs},
     )
+
+
+def _min_p(sampling_metadata: Any, num_reqs: int) -> torch.Tensor | None:
+    """[num_reqs] min_p of each request (0: off), from vLLM's min_p processor; None when none uses it."""
+    for processor in sampling_metadata.logitsprocs.argmax_invariant:
+        if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
+            return processor.min_p_cpu_tensor[:num_reqs].clone()
+    return None
 
 
 def _rows(values: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
@@ -90,6 +100,7 @@ def emitted_logprob_values(
             temperature=params.temperature[emitted_requests],
             top_k=None if params.top_k is None else params.top_k[emitted_requests],
             top_p=None if params.top_p is None else params.top_p[emitted_requests],
+            min_p=None if params.min_p is None else params.min_p[emitted_requests],
         )
         processed = process_logits(rows.unsqueeze(1), per_token).squeeze(1)
         rows = torch.where(per_token.is_greedy.unsqueeze(1), rows, processed)
