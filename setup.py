@@ -16,5 +16,8 @@ setup(
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib"],
     },
-    entry_points={"vllm.general_plugins": ["ddtree = vllm_ddtree.vllm.plugin:register"]},
+    entry_points={
+        "vllm.general_plugins": ["ddtree = vllm_ddtree.vllm.plugin:register"],
+        "console_scripts": ["vllm-ddtree = vllm_ddtree.cli:main"],
+    },
 )

