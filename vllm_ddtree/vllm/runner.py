@@ -200,25 +200,37 @@ class DDTreeRunnerMixin:
         step = self.step
         assert step is not None and logits is not None
         with self.stage_times.stage(ACCEPTANCE):
-            metadata = self.input_batch.sampling_metadata
-            params = tree_sampling_params(metadata, self.input_batch.num_reqs)
-            rows = step.node_logit_rows()
-            processed = None
-            if needs_node_processing(metadata):
-                processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
-            target = sample_nodes(logits, rows, step.draw_positions(), params, processed)
-            step.target_token_ids = get_tp_group().broadcast(target, src=0)
-            step.acceptance = accept_tree(step.tree, step.target_token_ids, step.ancestor_mask)
-            output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
-            accepted_rows = step.acceptance.output_token_ids
-            output[:, : accepted_rows.shape[1]] = accepted_rows
+            processed = self._sample_nodes(logits, step)
+            output = self._walk(step)
             logprobs = self._emitted_logprobs(logits, processed, step, output)
         with self.stage_times.stage(KV_COMPACTION):
-            step.plan = kv_compaction_plan(step.acceptance)
             self._compact_target_kv(step)
         if self.clock is not None:
             self._clock_sampled(step, output)
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+
+    def _sample_nodes(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor | None:
+        """Fill `step.target_token_ids`: the target's token at every node, TP rank 0's on every rank.
+        Returns the nodes' logits after their history-dependent options (None when no request of the
+        batch uses one), which logprobs may report."""
+        metadata = self.input_batch.sampling_metadata
+        params = tree_sampling_params(metadata, self.input_batch.num_reqs)
+        rows = step.node_logit_rows()
+        processed = None
+        if needs_node_processing(metadata):
+            processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
+        target = sample_nodes(logits, rows, step.draw_positions(), params, processed)
+        step.target_token_ids = get_tp_group().broadcast(target, src=0)
+        return processed
+
+    def _walk(self, step: TreeStep) -> torch.Tensor:
+        """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
+        assert step.target_token_ids is not None
+        step.acceptance = accept_tree(step.tree, step.target_token_ids, step.ancestor_mask)
+        output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
+        accepted_rows = step.acceptance.output_token_ids
+        output[:, : accepted_rows.shape[1]] = accepted_rows
+        return output
 
     def _emitted_logprobs(
         self, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
@@ -262,10 +274,10 @@ class DDTreeRunnerMixin:
         self.clock.step_sampled(committed, accepted)
 
     def _compact_target_kv(self, step: TreeStep) -> None:
-        """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are
-        rewritten from the context on the next draft pass)."""
-        plan = step.plan
-        assert plan is not None and step.node_slots is not None
+        """Fill `step.plan` and move the accepted nodes' K/V to rows start + k in every target layer
+        (the draft's layers are rewritten from the context on the next draft pass)."""
+        assert step.acceptance is not None and step.node_slots is not None
+        plan = step.plan = kv_compaction_plan(step.acceptance)
         if not bool(plan.is_move.any()):
             return
         moves = plan.is_move.to(step.node_slots.device)
