@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from typing_extensions import override
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -82,6 +83,7 @@ class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
 
 
 class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    @override
     def build(
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
     ) -> DDTreeCPUAttentionMetadata:
@@ -90,6 +92,7 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    @override
     def forward(
         self,
         layer: Any,
@@ -140,9 +143,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):
     @staticmethod
+    @override
     def get_impl_cls() -> type[DDTreeCPUAttentionImpl]:
         return DDTreeCPUAttentionImpl
 
     @staticmethod
+    @override
     def get_builder_cls() -> type[DDTreeCPUAttentionMetadataBuilder]:
         return DDTreeCPUAttentionMetadataBuilder
