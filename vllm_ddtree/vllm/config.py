@@ -24,12 +24,15 @@ checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
 `worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
 `log_rewrite` logs what it forced. Refused with a message: non-CPU platforms, the V2 model runner,
-async scheduling, another worker_cls, a quantized KV cache, pipeline/data parallelism > 1, a budget
+async scheduling, another worker_cls, a quantized KV cache, pipeline parallelism > 1 (vLLM's DFlash
+itself fails under it on the V1 runner), Ray executors (vLLM's CPU platform refuses Ray), a budget
 outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has built its configs,
 `check_engine_config` refuses drafts that do not fit the target (vocabulary, hidden size,
-target_layer_ids), hybrid, attention-free and M-RoPE targets, and a V2 model runner vLLM chose. Tensor
-parallelism is supported (every rank samples from the same all-gathered logits and the sampled tokens
-are broadcast from rank 0, so all ranks accept the same path). The tree sampling rule is
+target_layer_ids), hybrid, attention-free and M-RoPE targets, data parallelism > 1 for MoE targets, a
+Ray backend vLLM chose itself, and a V2 model runner vLLM chose. Tensor parallelism is supported (every
+rank samples from the same all-gathered logits and the sampled tokens are broadcast from rank 0, so all
+ranks accept the same path); so is data parallelism for dense targets (vLLM runs each DP rank of a
+dense model as an independent engine core, with its own runner and adaptive budget). The tree sampling rule is
 `vllm_ddtree.core.sampling`; its adapter to vLLM's per-request sampling state is
 `vllm_ddtree.vllm.sampling`.
 """
@@ -157,9 +160,11 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         raise ValueError(f"method 'ddtree' installs its own worker ({WORKER_CLS}); drop worker_cls={args.worker_cls!r}")
     if args.kv_cache_dtype not in ("auto", None):
         raise ValueError(f"method 'ddtree' needs an unquantized KV cache; drop kv_cache_dtype={args.kv_cache_dtype!r}")
-    for name in ("pipeline_parallel_size", "data_parallel_size"):
-        if (getattr(args, name) or 1) > 1:
-            raise ValueError(f"method 'ddtree' supports tensor parallelism only in this release; drop {name}={getattr(args, name)}")
+    if (args.pipeline_parallel_size or 1) > 1:
+        raise ValueError(_NO_PIPELINE_PARALLELISM.format(pp=args.pipeline_parallel_size))
+    ray_replicas = getattr(args, "data_parallel_backend", None) == "ray" and (args.data_parallel_size or 1) > 1
+    if _uses_ray(args.distributed_executor_backend) or ray_replicas:
+        raise ValueError(_NO_RAY)
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
     check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
@@ -169,6 +174,37 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     args.worker_cls = WORKER_CLS
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: asdict(ddtree)}
     return ddtree
+
+
+# Why the scale-out settings DDTree refuses are refused (docs/scaling.md, "Scaling out", has the evidence).
+_NO_PIPELINE_PARALLELISM = (
+    "method 'ddtree' does not support pipeline parallelism (pipeline_parallel_size={pp}): it runs on vLLM's "
+    "DFlash draft, and vLLM 0.32's DFlash under pipeline parallelism needs the target's auxiliary hidden "
+    "states relayed between stages, which only vLLM's V2 model runner (GPU, Triton) does; on the V1 runner "
+    "that vLLM's CPU platform and DDTree use, method 'dflash' itself fails with pipeline_parallel_size=2 "
+    "(\"Missing aux_hidden_states_0 from PP intermediate tensors\"). Split the model with tensor parallelism "
+    "(tensor_parallel_size) instead, and add replicas with data parallelism (data_parallel_size) for throughput"
+)
+_NO_RAY = (
+    "method 'ddtree' does not run on Ray (distributed_executor_backend='ray' or data_parallel_backend='ray'): "
+    "vLLM 0.32's CPU platform does not support Ray for any method (vLLM fails at start-up with \"current "
+    "platform cpu does not support ray.\"), and DDTree runs on the CPU platform only in this release. Use the "
+    "default multiprocess backend ('mp'): tensor_parallel_size for one machine's cores, data_parallel_size "
+    "for replicas, and one independent server per machine to scale across machines"
+)
+_NO_MOE_DATA_PARALLELISM = (
+    "method 'ddtree' does not support data parallelism (data_parallel_size={dp}) for mixture-of-experts targets "
+    "such as {name}: vLLM couples the data-parallel ranks of a MoE model (experts exchanged across ranks every "
+    "step, dummy batches on idle ranks), which the tree verify step is not validated against, and on vLLM 0.32's "
+    "CPU platform MoE data parallelism fails for plain decoding too (NotImplementedError from the CPU "
+    "communicator's all_gatherv). Use data_parallel_size=1 (tensor parallelism for one machine's cores) or "
+    "independent servers per replica; dense targets are supported under data parallelism"
+)
+
+
+def _uses_ray(backend: Any) -> bool:
+    """Whether an executor backend (a name or an executor class) orchestrates its workers with Ray."""
+    return backend == "ray" or (isinstance(backend, type) and getattr(backend, "uses_ray", False) is True)
 
 
 def _requests_v2_model_runner(value: str | None) -> bool:
@@ -266,6 +302,11 @@ def check_engine_config(vllm_config: Any) -> None:
             f"method 'ddtree': the draft {draft.model} has dflash_config.target_layer_ids {layer_ids}, but the "
             f"target {target.model} has layers 0..{num_layers - 1} only; {_USE_A_MATCHING_DRAFT}"
         )
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1 and target.is_moe:
+        raise ValueError(_NO_MOE_DATA_PARALLELISM.format(dp=parallel.data_parallel_size, name=name))
+    if parallel.use_ray:  # a Ray backend vLLM chose itself (e.g. Ray already initialized in this process)
+        raise ValueError(_NO_RAY)
     if vllm_config.use_v2_model_runner:
         raise ValueError(
             "method 'ddtree' needs vLLM's V1 model runner, but vLLM chose its V2 model runner for this engine; "
