@@ -3,7 +3,8 @@
 - Data parallelism, dense target: vLLM runs each DP rank of a dense model as an independent engine core
   (its own scheduler, runner, KV cache and adaptive budget) behind one front-end that balances requests,
   the engine `vllm serve --data-parallel-size N` runs. Two replicas (one core each, multiprocess
-  executor) must give greedy outputs identical to plain decoding, and both must have verified trees.
+  executor) must give greedy outputs identical to plain decoding and seeded sampled outputs identical
+  to one engine's, and both must have verified trees.
   (`LLM(data_parallel_size=2)` is refused by vLLM 0.32 itself for every method: offline data
   parallelism of a dense model is N independent `LLM`s.)
 - Refused at start, with the reason and the alternative in the message: pipeline parallelism (vLLM's
@@ -24,11 +25,12 @@ from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, prompt
 from tests.e2e.pairs import HIDDEN, VOCAB
 
 
-async def _generate_dp(target: str, draft: str, requests: list[dict], data_parallel_size: int) -> tuple[list[list[int]], dict]:
-    """Greedy token ids from an AsyncLLM (the `vllm serve` engine) with data_parallel_size replicas, and
-    the per-replica counters {metric: {engine index: value}} of its Prometheus metrics."""
+async def _generate_dp(
+    target: str, draft: str, requests: list[dict], params: list[Any], data_parallel_size: int
+) -> tuple[list[list[int]], dict]:
+    """Token ids from an AsyncLLM (the `vllm serve` engine) with data_parallel_size replicas, and the
+    per-replica counters {metric: {engine index: value}} of its Prometheus metrics."""
     from prometheus_client import REGISTRY
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -39,11 +41,10 @@ async def _generate_dp(target: str, draft: str, requests: list[dict], data_paral
         speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16},
     )  # fmt: skip
     llm = AsyncLLM.from_engine_args(args)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     async def one(i: int, request: dict) -> list[int]:
         final: Any = None
-        async for out in llm.generate(request, params, request_id=f"dp-{i}"):
+        async for out in llm.generate(request, params[i], request_id=f"dp-{i}"):
             final = out
         return list(final.outputs[0].token_ids)
 
@@ -61,19 +62,28 @@ async def _generate_dp(target: str, draft: str, requests: list[dict], data_paral
         llm.shutdown()
 
 
-def test_dp2_greedy_equals_plain_on_both_replicas(pair_dirs, engine_runs, monkeypatch):
-    from vllm import envs
+def test_dp2_greedy_equals_plain_and_seeded_equal_one_engine_on_both_replicas(pair_dirs, engine_runs, monkeypatch):
+    """Greedy requests equal plain decoding; seeded sampled ones equal the same requests on one ddtree
+    engine (a seeded draw is keyed by (seed, position), whichever replica serves it)."""
+    from vllm import SamplingParams, envs
 
-    expected = engine_runs("focused", None).token_ids  # in-process plain decoding, before the env changes below
+    from tests.e2e.conftest import run_engine
+
+    target, draft = pair_dirs["focused"]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)] * len(prompts())
+    seeded = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(len(prompts()))]
+    expected = engine_runs("focused", None).token_ids  # in-process engines first, before the env changes below
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16}
+    expected_seeded = run_engine(target, spec, prompts(), seeded).token_ids
     envs.disable_envs_cache()  # an in-process engine may have frozen vLLM's env reads; the next two must be seen
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per replica (sliced by DP rank)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    target, draft = pair_dirs["focused"]
-    token_ids, counters = asyncio.run(_generate_dp(target, draft, prompts(), data_parallel_size=2))
-    assert token_ids == expected
+    token_ids, counters = asyncio.run(_generate_dp(target, draft, prompts() * 2, greedy + seeded, data_parallel_size=2))
+    assert token_ids[: len(prompts())] == expected
+    assert token_ids[len(prompts()) :] == expected_seeded
     served = counters["vllm:request_success_total"]
     assert set(served) == {"0", "1"} and all(n > 0 for n in served.values()), served
-    assert sum(served.values()) == len(prompts())
+    assert sum(served.values()) == 2 * len(prompts())
     drafts = counters["vllm:spec_decode_num_drafts_total"]
     assert all(drafts.get(engine, 0) > 0 for engine in ("0", "1")), drafts  # trees verified on both replicas
 
