@@ -28,12 +28,14 @@ test-core: install
 demo: install
 	$(PY) -m vllm_ddtree.demo
 
-# Side-by-side benchmark matrix (DDTree vs vLLM's DFlash chain vs no speculation): table, JSON, PNG.
+# Interleaved benchmark (every variant's engine alive, timed round-robin): tables on stdout; JSON, PNGs
+# and vLLM's log under benchmarks/results/. Full matrix about 20 min on 2 shared cores (estimated from
+# single cells); --quick about 1.5 min; select cells with ARGS="--batches 1 --contexts 2k ...".
 bench: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/bench.py
+	$(PY) benchmarks/bench.py $(ARGS)
 
 bench-quick: install
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) benchmarks/bench.py --quick
+	$(PY) benchmarks/bench.py --quick
 
 # On a GPU machine with its own python3, torch and triton (no vLLM, no venv): <= 8 min on one H200.
 gpu-check:

@@ -1,41 +1,49 @@
 """Interleaved benchmark of DDTree against no speculation and the DFlash chain, over a matrix of cells.
 
-Cells: batch size x temperature x context ("short": the held-out code prompts of 64 tokens; "2k":
-prompts of 2048 - max_tokens tokens, so that prompt + output fill the pair's 2048 positions, built
-from the held-out snippets (`engines.context_prompts`)). Every cell serves the same `--prompts`
-prompts, `batch` per `LLM.generate` call (batch 1: one call per prompt), `--max-tokens` new tokens
-each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i.
+Cells: batch size x temperature x context. Contexts: "short", the held-out code prompts of 64 tokens;
+"2k", held-out snippets concatenated (`engines.context_prompts`) to 2048 - max_tokens - twice the
+largest budget tokens (1856 by default), so that prompt, output and the trees fit in the pair's 2048
+positions (`prompt_tokens`). The pair was trained on 512-token sequences: in 2k cells it is far outside
+its range and accepts few drafts (measured: 1.07 tokens per step for the chain at batch 1, T = 0). Every
+cell serves the same `--prompts` prompts, `batch` per `LLM.generate` call (batch 1: one call per
+prompt), `--max-tokens` new tokens each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i.
 
-Variants: no speculation; vLLM's DFlash chain (num_speculative_tokens = block_size - 1; T = 0 only,
-since vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1 (`ddtree_topk: 1`, the
-chain's shape under DDTree's exact sampler: the chain baseline at T > 0, and the stage-timed chain of
-the zero-overhead bound); DDTree at fixed budgets (`ddtree_adaptive: false`); and DDTree's default
-configuration (`num_speculative_tokens` = `--default-budget`, adaptive).
+Variants (`summary.build_variants`): no speculation; vLLM's DFlash chain (num_speculative_tokens =
+block_size - 1; T = 0 only, since vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1
+(`ddtree_topk: 1`: the chain's shape under DDTree's exact sampler, the chain baseline at T > 0 and the
+stage-timed chain of the zero-overhead bound); DDTree at fixed budgets (`ddtree_adaptive: false`);
+DDTree's default configuration (only `num_speculative_tokens` = `--default-budget`: adaptive). vLLM's
+n-gram is not run (see `python -m vllm_ddtree.demo --help`).
 
 How (`vllm_ddtree.demo.engines`): one engine per variant, each in its own vLLM engine-core process, all
-alive at once. Per cell, `--warmup-rounds` untimed rounds (which also fill the prefix cache: in 2k
-cells the timed rounds then prefill only each prompt's last partial KV block, so they time decoding
-after a 2k context), then `--rounds` timed rounds; each round times every variant once on the cell's
-work, in an order rotated by one place per round (the rotation continues across cells).
+alive at once. Per cell, `--warmup-rounds` untimed rounds (they also fill the prefix cache: in 2k cells
+the timed rounds prefill only each prompt's last partial KV block, so they time decoding after a 2k
+context), then `--rounds` timed rounds; each round times every variant once on the cell's work, in an
+order rotated by one place per round (the rotation continues across cells). Before each timed pass
+the engine serves the same prompts with max_tokens 1; the difference is the decode steps alone.
 
-Reported per cell, per variant (`vllm_ddtree.demo.stats`), as median [min-max] over rounds:
-* output tokens/s (tokens over the summed wall time of the generate calls);
-* tokens per step: 1 + accepted / decode steps, from the engine's own spec-decode stats;
-* ratios to no speculation and to the chain baseline (vLLM's chain at T = 0, width 1 at T > 0),
-  taken inside each round, never as ratios of medians;
-* for DDTree engines, milliseconds per engine step by runner stage (VLLM_DDTREE_STAGE_TIMES=1) and
+Reported per cell and variant (`vllm_ddtree.demo.stats`, `vllm_ddtree.demo.summary`), as median
+[min-max] over timed rounds:
+* output tokens/s: tokens over the summed wall time of the generate calls;
+* tree nodes verified and tokens committed per request and decode step, from the engine's own
+  spec-decode stats (tokens: 1 + accepted / decode steps);
+* tokens/s over no speculation's and over the chain baseline's (vLLM's chain at T = 0, width 1 at
+  T > 0), each ratio taken inside a round, never as a ratio of medians;
+* for DDTree engines, milliseconds per decode step by runner stage (VLLM_DDTREE_STAGE_TIMES=1) and
   outside the runner, target-forward rows per step and milliseconds per row;
-* for fixed budgets, the zero-overhead bound: the tree's tokens/s with DDTree's own stages free and
-  its target forward at the width-1 chain's cost per row, over the chain baseline's tokens/s;
-* for the default (adaptive) configuration, decode steps its policy timed per tree shape.
-At T = 0 every variant's output in every round is compared with no speculation's (DDTree is lossless);
-mismatches are printed and recorded in the JSON. vLLM's n-gram is not run (see vllm_ddtree/demo).
+* for fixed budgets, the zero-overhead bound (`stats.zero_overhead_bound`): tokens/s with DDTree's own
+  stages free and the target forward at the width-1 chain's cost per row of the same round, over the
+  chain baseline's tokens/s; printed with its parts for the best budget;
+* for the default configuration, the decode steps its adaptive policy timed per tree shape.
+At T = 0 every variant's output in every round, warm-up included, is compared with no speculation's
+(DDTree is lossless); mismatches are printed, recorded in the JSON and make the exit status 1.
 
     python benchmarks/bench.py [--quick] [--batches 1 4 16] [--temperatures 0 1] [--contexts short 2k]
         [--budgets 8 16 32 64] [--default-budget 32] [--prompts 16] [--max-tokens 64] [--rounds 3]
         [--warmup-rounds 1] [--out benchmarks/results]
 
-Output: tables on stdout; JSON, PNG plots and the engines' log (vLLM's own output) under --out.
+Output: tables on stdout; under --out, bench-<time>.json, three PNG plots (tokens/s over the chain per
+cell, tokens per step vs budget, decode-step breakdown) and bench-<time>.log (vLLM's own output).
 """
 
 from __future__ import annotations
@@ -57,8 +65,8 @@ from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_boun
 from vllm_ddtree.demo.summary import format_speed_table, format_stage_table, greedy_mismatches, summarize
 
 SHORT_PROMPT_TOKENS = 64
-LONG_CONTEXT_TOKENS = 2048  # the pair's max_position_embeddings
-KV_CACHE_BYTES = {"short": 64 * 2**20, "2k": 320 * 2**20}  # 2k: 16 prompts of 2k cached, plus trees
+MAX_POSITIONS = 2048  # the pair's max_position_embeddings
+KV_CACHE_BYTES = {"short": 64 * 2**20, "2k": 320 * 2**20}  # 2k: 16 prompts of 2k cached, their outputs and trees
 
 
 @dataclass(frozen=True)
@@ -119,15 +127,20 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     return [Cell(b, t, c) for c in args.contexts for t in args.temperatures for b in args.batches]
 
 
-def prompt_tokens(context: str, max_tokens: int) -> int:
-    """Prompt length of a context: 64, or 2048 - max_tokens (prompt + output fill the pair's positions)."""
-    return SHORT_PROMPT_TOKENS if context == "short" else LONG_CONTEXT_TOKENS - max_tokens
+def prompt_tokens(context: str, max_tokens: int, largest_budget: int) -> int:
+    """64 tokens in the short context; in the 2k context the longest prompt that leaves room, within the
+    pair's 2048 positions, for the output and two of the largest trees past its last token. (A request
+    near max_model_len gets fewer drafts: with 1920-token prompts, 64 new tokens and max_model_len 2048,
+    budget 64 verified 32.6 nodes per decode step on average, with 1856-token prompts all 64.)"""
+    return SHORT_PROMPT_TOKENS if context == "short" else MAX_POSITIONS - max_tokens - 2 * largest_budget
 
 
-def engine_kwargs(contexts: list[str], max_tokens: int) -> dict[str, Any]:
-    """Engine settings: max_model_len for the longest prompt + output, a KV cache for the largest context."""
-    longest = max(prompt_tokens(c, max_tokens) for c in contexts)
-    return {**ENGINE_KWARGS, "max_model_len": max(1024, longest + max_tokens), "kv_cache_memory_bytes": max(KV_CACHE_BYTES[c] for c in contexts)}
+def engine_kwargs(contexts: list[str], max_tokens: int, largest_budget: int) -> dict[str, Any]:
+    """Engine settings: max_model_len for the longest prompt, its output and two trees; a KV cache for the
+    largest context."""
+    longest = max(prompt_tokens(c, max_tokens, largest_budget) for c in contexts)
+    max_model_len = max(1024, longest + max_tokens + 2 * largest_budget)
+    return {**ENGINE_KWARGS, "max_model_len": max_model_len, "kv_cache_memory_bytes": max(KV_CACHE_BYTES[c] for c in contexts)}
 
 
 def measure_cell(
@@ -162,12 +175,13 @@ def plot_speedups(cells: Measured, path: str) -> None:
 
     columns = min(3, len(cells))
     rows = -(-len(cells) // columns)
+    color = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(s.variant for _, summaries in cells for s in summaries))}
     fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
     for ax, (cell, summaries) in zip(axes.flat, cells):
         shown = [s for s in summaries if s.vs_chain is not None]
         medians = [s.vs_chain.median for s in shown]
         errors = [[m - s.vs_chain.low for m, s in zip(medians, shown)], [s.vs_chain.high - m for m, s in zip(medians, shown)]]
-        ax.bar(range(len(shown)), medians, yerr=errors, color=[f"C{i}" for i in range(len(shown))], capsize=3)
+        ax.bar(range(len(shown)), medians, yerr=errors, color=[color[s.variant] for s in shown], capsize=3)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(shown)), [s.variant.replace("ddtree ", "") for s in shown], rotation=45, ha="right", fontsize=7)
         ax.set_title(cell.label, fontsize=9)
@@ -204,7 +218,8 @@ def plot_tokens_per_step(cells: Measured, path: str) -> None:
 
 
 def plot_stages(cells: Measured, path: str) -> None:
-    """Stacked bars: milliseconds per step (draft, own, target forward, rest, outside) per stage-timed variant and cell."""
+    """Stacked bars: milliseconds per decode step (draft, own, target forward, rest, outside) per stage-timed
+    variant and cell."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,7 +237,7 @@ def plot_stages(cells: Measured, path: str) -> None:
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     labels = [f"{s.variant.replace('ddtree ', '')} | b{c.batch} T{c.temperature:g} {c.context}" for c, s in bars]
     ax.set_xticks(range(len(bars)), labels, rotation=70, ha="right", fontsize=6)
-    ax.set_ylabel("ms per engine step")
+    ax.set_ylabel("ms per decode step (medians over rounds)")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -237,9 +252,12 @@ def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple
     cells = cells_of(args)
     variants = build_variants(draft, args.budgets, args.default_budget, with_chain=any(c.temperature == 0 for c in cells))
     spec_of = {v.name: v for v in variants}
-    prompts = {c: tuple(map(tuple, context_prompts(args.prompts, prompt_tokens(c, args.max_tokens)))) for c in args.contexts}
+    largest_budget = max(args.budgets + [args.default_budget])
+    prompts = {
+        c: tuple(map(tuple, context_prompts(args.prompts, prompt_tokens(c, args.max_tokens, largest_budget)))) for c in args.contexts
+    }
     say(f"target {target}\ndraft  {draft}\nstarting {len(variants)} engines")
-    kwargs = engine_kwargs(args.contexts, args.max_tokens)
+    kwargs = engine_kwargs(args.contexts, args.max_tokens, largest_budget)
     engines, errors = start_engines(target, [(v.name, v.speculative_config) for v in variants], kwargs, say)
     report: dict[str, Any] = {"pair": {"target": target, "draft": draft}, "engine_kwargs": kwargs, "cells": [], "greedy_mismatches": []}
     report["errors"] = [{"variant": name, "error": error} for name, error in errors.items()]
@@ -315,8 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"last lines of the engine log {stem}.log:\n{log_tail(stem + '.log')}", file=sys.stderr)
         raise
     if measured:
-        print("\nmedian tokens/s over the chain baseline's (vLLM's DFlash chain at T=0, DDTree width 1 at T>0):\n" + format_matrix(measured))
-    report = {"machine": machine, "args": vars(args), "wall_seconds": time.perf_counter() - began, **report, "matrix": format_matrix(measured)}
+        print("\nmedian tokens/s over the chain baseline's (vLLM's DFlash chain at T=0, DDTree width 1 at T>0):")
+        print(format_matrix(measured))
+    report = {"machine": machine, "args": vars(args), "wall_seconds": time.perf_counter() - began, **report}
+    report["matrix"] = format_matrix(measured)
     if report["greedy_mismatches"]:
         print(f"\nMISMATCH: greedy output differs from no speculation: {report['greedy_mismatches']}", file=sys.stderr)
     elif any(cell.temperature == 0 for cell, _ in measured):
@@ -324,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in write_outputs(stem, report, measured) + [stem + ".log"]:
         print(f"wrote {path}")
     print(f"wall time {report['wall_seconds']:.0f} s")
-    return 0
+    return 1 if report["greedy_mismatches"] else 0
 
 
 if __name__ == "__main__":

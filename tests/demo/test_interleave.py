@@ -46,7 +46,9 @@ def _stages(seconds: float, steps: int) -> dict[str, float]:
     return {**{name: seconds for name in STAGES}, "steps": float(steps)}
 
 
-def _run(seconds: float, tokens_per_request: int, counters: SpecCounters, stages: dict | None = None, prefill: Pass | None = None) -> TimedRun:
+def _run(
+    seconds: float, tokens_per_request: int, counters: SpecCounters, stages: dict | None = None, prefill: Pass | None = None
+) -> TimedRun:
     return TimedRun(
         seconds=seconds,
         token_ids=[[1] * tokens_per_request] * 2,
@@ -100,3 +102,24 @@ def test_greedy_mismatches_name_variant_round_and_prompt():
     rounds = [{NO_SPECULATION: same, "b8": same}, {NO_SPECULATION: same, "b8": other}]
     assert greedy_mismatches("cell", rounds) == [{"cell": "cell", "variant": "b8", "round": 1, "first_differing_prompt": 1}]
     assert greedy_mismatches("cell", rounds[:1]) == []
+
+
+def test_bench_writes_json_plots_and_the_matrix(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+    spec = importlib.util.spec_from_file_location("bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench", bench)  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    variants = [_spec(NO_SPECULATION, "none"), _spec("w1", "width1", 7), _spec("b8", "fixed", 8), _spec("b32", "fixed", 32)]
+    runs = {NO_SPECULATION: _timed([100, 200]), "w1": _timed([120, 260], 0.01), "b8": _timed([180, 240], 0.01)}
+    runs["b32"] = _timed([90, 99], 0.02)
+    measured = [(bench.Cell(1, 1.0, "short"), summarize(1.0, variants, runs)), (bench.Cell(4, 1.0, "2k"), summarize(1.0, variants, runs))]
+    assert bench.format_matrix(measured).splitlines()[2] == "| 1 | 1 | short | 0.80 | 1.00 | 1.21 | 0.57 |"  # per-round ratios
+    paths = bench.write_outputs(str(tmp_path / "bench"), {"cells": [s.to_json() for s in measured[0][1]]}, measured)
+    assert [Path(p).name for p in paths] == ["bench.json", "bench-speedup.png", "bench-tokens_per_step.png", "bench-stages.png"]
+    assert json.loads(Path(paths[0]).read_text())["cells"][2]["bound"]["values"]

@@ -6,8 +6,11 @@ draft) with held-out standard-library code prompts, greedy, two scenarios:
 * throughput: batch 16, one `LLM.generate` call of `--prompts` prompts.
 Variants: no speculation; vLLM's DFlash chain; DDTree of width 1 (the chain's shape, stage-timed: the
 chain of the step-time comparison); DDTree's default configuration (`num_speculative_tokens` =
-`--default-budget`, adaptive: the headline); DDTree at fixed budgets (`--budgets`); vLLM's n-gram
-(started last: once numba is loaded in a process, vLLM 0.32 cannot start another engine there).
+`--default-budget`, adaptive: the headline); DDTree at fixed budgets (`--budgets`); with `--ngram`,
+vLLM's n-gram (prompt lookup). N-gram is left out by default: in its own engine process on two shared
+cores its generate calls, 0.1 s normally, stalled now and then for 2 to 26 s (measured), which would
+dominate the run. (Its numba now loads in that engine's process, so it no longer keeps later engines
+from starting, as it did in-process.)
 
 How (`vllm_ddtree.demo.engines`): every variant's engine runs in its own process, all alive at once; a
 warm-up round, then `--rounds` timed rounds, each serving both scenarios with every variant in an order
@@ -18,8 +21,8 @@ Tokens per step come from the engines' spec-decode stats, stage times from the D
 Prints one table per scenario and a paragraph computed from this run's stage times; writes a PNG and a
 JSON. Exits 1 if any variant's output differs from plain decoding in any round (DDTree is lossless).
 
-    python -m vllm_ddtree.demo [--prompts 16] [--latency-prompts 8] [--max-tokens 64] [--rounds 2]
-                               [--budgets 8 32] [--default-budget 32] [--out benchmarks/results]
+    python -m vllm_ddtree.demo [--prompts 16] [--latency-prompts 8] [--max-tokens 64] [--rounds 3]
+                               [--budgets 8 32] [--default-budget 32] [--ngram] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from dataclasses import dataclass
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
 from vllm_ddtree.demo.engines import shutdown_all, start_engines
 from vllm_ddtree.demo.quiet import log_tail, output_to_log
-from vllm_ddtree.demo.summary import VariantSpec, VariantSummary, build_variants, format_shapes
+from vllm_ddtree.demo.stats import StepSplit
+from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_shapes
 from vllm_ddtree.demo.summary import format_speed_table, greedy_mismatches, summarize
 
 PROMPT_TOKENS = 64
@@ -43,18 +47,22 @@ PROMPT_TOKENS = 64
 
 @dataclass(frozen=True)
 class Scenario:
+    """A named `Work`: latency (batch 1) or throughput (all prompts in one call)."""
+
     name: str
     work: Work
 
     @property
     def description(self) -> str:
         w = self.work
-        how = "served one at a time" if w.batch == 1 else f"{w.batch} per generate call"
+        how = "served one at a time" if w.batch == 1 else "in one generate call" if w.batch == len(w.prompts) else f"{w.batch} per call"
         return f"{self.name}: {len(w.prompts)} prompts of {len(w.prompts[0])} tokens {how}, {w.max_tokens} new tokens each"
 
 
 @dataclass(frozen=True)
 class ScenarioResult:
+    """A scenario's summaries (`summary.summarize`) and greedy mismatches (`summary.greedy_mismatches`)."""
+
     scenario: Scenario
     summaries: list[VariantSummary]
     mismatches: list[dict]
@@ -65,14 +73,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=16, help="prompts of the throughput scenario (its batch)")
     parser.add_argument("--latency-prompts", type=int, default=8, help="prompts of the latency scenario (batch 1)")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="timed rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 32], help="fixed DDTree budgets")
     parser.add_argument("--default-budget", type=int, default=32, help="num_speculative_tokens of the default (adaptive) config")
+    parser.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram (prompt lookup)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     return parser.parse_args(argv)
 
 
 def scenarios_of(args: argparse.Namespace) -> list[Scenario]:
+    """Latency: the first `--latency-prompts` held-out prompts one at a time; throughput: the first
+    `--prompts` in one call; greedy, `--max-tokens` each."""
     prompts = tuple(map(tuple, context_prompts(max(args.prompts, args.latency_prompts), PROMPT_TOKENS)))
     return [
         Scenario("latency", Work(prompts[: args.latency_prompts], 1, 0.0, args.max_tokens)),
@@ -97,8 +108,10 @@ def measure(
 
 
 def headline(results: list[ScenarioResult]) -> str:
-    """The default configuration's speedup over no speculation in each scenario."""
-    defaults = [(r.scenario.name, next(s for s in r.summaries if s.kind == "default")) for r in results]
+    """The default configuration's speedup over no speculation in each scenario ("" if it did not run)."""
+    defaults = [(r.scenario.name, s) for r in results for s in r.summaries if s.kind == "default" and s.vs_none]
+    if not defaults:
+        return ""
     return f"{defaults[0][1].variant}, tokens/s over no speculation: " + ", ".join(
         f"{name} {default.vs_none.format(2, 'x')}" for name, default in defaults
     )
@@ -120,18 +133,30 @@ def stage_paragraph(result: ScenarioResult) -> str:
         f"Where the time goes ({result.scenario.name}, batch {result.scenario.work.batch}, medians over rounds): a decode"
         f" step of DDTree budget {tree.budget} takes {t.wall:.2f} ms: draft forward {share(t.draft)}, DDTree's own stages"
         f" (top-k, tree build, acceptance, KV compaction) {share(t.own)}, target forward {share(t.forward)}, the rest of"
-        f" the engine step {share(t.rest + t.outside)}. Its target forward runs {t.rows:.0f} rows per step at"
-        f" {t.forward_per_row:.4f} ms per row; the chain's (DDTree width 1, {c.wall:.2f} ms per step) runs {c.rows:.0f}"
-        f" rows at {c.forward_per_row:.4f} ms per row, so the tree's forward costs {t.forward / c.forward:.1f}x the"
+        f" the engine step {share(t.rest + t.outside)}. Its target forward runs {t.rows:.0f} rows per step on average"
+        f" at {t.forward_per_row:.4f} ms per row; the chain's (DDTree width 1, {c.wall:.2f} ms per step) runs"
+        f" {c.rows:.0f} rows at {c.forward_per_row:.4f} ms per row, so the tree's forward costs {t.forward / c.forward:.1f}x the"
         f" chain's for {tree.tokens_per_step.median / chain.tokens_per_step.median:.2f}x its tokens per step"
         f" ({tree.tokens_per_step.median:.2f} vs {chain.tokens_per_step.median:.2f}). With its own stages free and its"
         f" forward at the chain's cost per row, the tree would serve {tree.bound.format(2, 'x')} the chain's tokens/s"
         f" (measured: {tree.vs_chain.format(2, 'x')}). Trees pay where the verify forward is memory-bound, as on GPUs,"
         f" where verifying {tree.budget + 1} rows costs about as much as verifying 1, so the extra tokens per step"
         f" come almost free. A tiny model on two CPU cores is the hardest case: its forward is compute-bound and the"
-        f" target's cost grows about linearly with rows ({t.forward / c.forward:.1f}x the time for {t.rows / c.rows:.1f}x"
-        f" the rows here), so every extra node must pay for itself in accepted tokens."
+        f" target's cost grows {growth(t, c)}, so every extra node must pay for itself in accepted tokens."
     )
+
+
+def growth(tree: StepSplit, chain: StepSplit) -> str:
+    """How the target forward's time grew from the chain's rows to the tree's, in words and numbers:
+    "about linearly" when the cost per row stays within 15%, else by how much the tree's rows cost more."""
+    times, rows = tree.forward / chain.forward, tree.rows / chain.rows
+    numbers = f"{times:.1f}x the time for {rows:.1f}x the rows here"
+    per_row = times / rows
+    if abs(per_row - 1) <= 0.15:
+        return f"about linearly with rows ({numbers})"
+    if per_row > 1:
+        return f"with rows, here faster than linearly ({numbers}: a tree row costs {per_row:.2f}x a chain row, the tree mask's price)"
+    return f"with rows, here slower than linearly ({numbers}: a tree row costs {per_row:.2f}x a chain row)"
 
 
 def plot(results: list[ScenarioResult], path: str) -> None:
@@ -146,12 +171,17 @@ def plot(results: list[ScenarioResult], path: str) -> None:
     for ax, result in zip(axes[0], results):
         shown = result.summaries
         medians = [s.tokens_per_second.median for s in shown]
-        errors = [[m - s.tokens_per_second.low for m, s in zip(medians, shown)], [s.tokens_per_second.high - m for m, s in zip(medians, shown)]]
+        errors = [
+            [m - s.tokens_per_second.low for m, s in zip(medians, shown)],
+            [s.tokens_per_second.high - m for m, s in zip(medians, shown)],
+        ]
         colors = ["C3" if s.kind == "default" else "C7" if s.kind == "none" else "C0" for s in shown]
         ax.bar(range(len(shown)), medians, yerr=errors, color=colors, capsize=3)
         for i, s in enumerate(shown):
-            ax.annotate(f"{s.vs_none.median:.2f}x\n{s.tokens_per_step.median:.2f} tok/step", (i, s.tokens_per_second.high), ha="center",
-                        va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
+            speedup = f"{s.vs_none.median:.2f}x\n" if s.vs_none else ""
+            label = f"{speedup}{s.tokens_per_step.median:.2f} tok/step"
+            top = (i, s.tokens_per_second.high)
+            ax.annotate(label, top, ha="center", va="bottom", fontsize=7, xytext=(0, 2), textcoords="offset points")
         ax.set_xticks(range(len(shown)), [s.variant for s in shown], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("output tokens/s")
         ax.set_ylim(0, 1.2 * max(s.tokens_per_second.high for s in shown))
@@ -163,11 +193,11 @@ def plot(results: list[ScenarioResult], path: str) -> None:
 
 
 def run_demo(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[list[ScenarioResult], dict[str, str]]:
-    """Start the engines, measure both scenarios, print their tables; returns the results and start errors."""
+    """Start the engines, measure both scenarios, stop the engines; returns the results and start errors."""
     from vllm_ddtree.demo import demo_pair_paths
 
     target, draft = demo_pair_paths()
-    variants: list[VariantSpec] = build_variants(draft, args.budgets, args.default_budget, with_ngram=True)
+    variants = build_variants(draft, args.budgets, args.default_budget, with_ngram=args.ngram)
     scenarios = scenarios_of(args)
     say(f"target {target}\ndraft  {draft}\nstarting {len(variants)} engines, one process each")
     engines, errors = start_engines(target, [(v.name, v.speculative_config) for v in variants], dict(ENGINE_KWARGS), say)
@@ -188,7 +218,8 @@ def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, arg
         say(f"\n{result.scenario.description}\n" + format_speed_table(result.summaries))
         if shapes := format_shapes(result.summaries):
             say(shapes)
-    say("\n" + headline(results))
+    if line := headline(results):
+        say("\n" + line)
     paragraph = stage_paragraph(results[-1])
     if paragraph:
         say("\n" + paragraph)

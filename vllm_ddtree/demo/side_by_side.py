@@ -1,8 +1,10 @@
-"""Run one target under several speculative configurations, in one process, on the same prompts.
+"""One in-process engine per speculative configuration, one after the other, and spec-decode counting.
 
-Each variant gets a fresh in-process vLLM engine, a warm-up generation, then one timed generation.
-Tokens per step comes from vLLM's own spec-decode counters over the timed generation only (see
-`tokens_per_decode_step`); 1 without speculation.
+`run_variant` gives a variant a fresh in-process vLLM engine, a warm-up generation, then one measured
+generation (used by `check_pair_vllm`, which compares tokens and counters, not speed; the demo and the
+benchmark time engines side by side with `vllm_ddtree.demo.engines`). Tokens per step comes from vLLM's
+own spec-decode counters over the measured generation only (`tokens_per_decode_step`); 1 without
+speculation.
 """
 
 from __future__ import annotations
@@ -68,7 +70,6 @@ class SpecCounters:
 class RunStats:
     name: str
     token_ids: list[list[int]]
-    texts: list[str]
     seconds: float
     counters: SpecCounters
 
@@ -77,18 +78,8 @@ class RunStats:
         return sum(len(t) for t in self.token_ids)
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.output_tokens / self.seconds
-
-    @property
     def tokens_per_step(self) -> float:
         return tokens_per_decode_step(self.counters, self.output_tokens, len(self.token_ids))
-
-    @property
-    def acceptance_per_position(self) -> list[float]:
-        """P(draft position k accepted) per verify step, k = 1, 2, ..."""
-        c = self.counters
-        return [a / c.drafts for a in c.accepted_per_position] if c.drafts else []
 
 
 def decode_steps(counters: SpecCounters, output_tokens: int, requests: int) -> int:
@@ -154,17 +145,6 @@ def run_variant(
     return RunStats(
         name=variant.name,
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
-        texts=[o.outputs[0].text for o in outputs],
         seconds=seconds,
         counters=counters,
     )
-
-
-def format_table(runs: list[RunStats], baseline: RunStats) -> str:
-    lines = [f"{'variant':<22} {'tokens/step':>11} {'tokens/s':>9} {'speedup':>8}"]
-    for run in runs:
-        lines.append(
-            f"{run.name:<22} {run.tokens_per_step:>11.2f} {run.tokens_per_second:>9.1f}"
-            f" {run.tokens_per_second / baseline.tokens_per_second:>7.2f}x"
-        )
-    return "\n".join(lines)

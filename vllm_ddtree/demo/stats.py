@@ -67,11 +67,12 @@ def per_round_ratios(numerators: Sequence[float], denominators: Sequence[float])
 
 @dataclass(frozen=True)
 class StepSplit:
-    """Milliseconds per engine step of the decode steps of one run of a stage-timed engine.
+    """Milliseconds per step over the decode steps of one run of a stage-timed engine.
 
-    wall: the steps' wall seconds over their number; draft, own, forward, rest: the runner's stages
-    (own = DDTree's own stages); outside: wall minus all stages; rows: target-forward rows per step;
-    steps: how many steps.
+    wall: the steps' wall time; draft, own, forward, rest: the runner's stages
+    (own = DDTree's own stages); outside: wall minus all stages (a difference of differences when the
+    decode steps are a run minus its prefill pass, so it can come out a hair below zero); rows:
+    target-forward rows per step; steps: how many steps.
     """
 
     wall: float

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_ddtree.demo.engines import TimedRun
-from vllm_ddtree.demo.stats import Spread, StepSplit, median_split, per_round_ratios, spread, zero_overhead_bound
+from vllm_ddtree.demo.stats import Bound, Spread, StepSplit, median_split, per_round_ratios, spread, zero_overhead_bound
 from vllm_ddtree.vllm.stage_times import STAGES
 
 NO_SPECULATION = "no speculation"
@@ -37,7 +37,9 @@ def chain_length(draft: str) -> int:
         return json.load(f)["block_size"] - 1
 
 
-def build_variants(draft: str, budgets: list[int], default_budget: int, with_chain: bool = True, with_ngram: bool = False) -> list[VariantSpec]:
+def build_variants(
+    draft: str, budgets: list[int], default_budget: int, with_chain: bool = True, with_ngram: bool = False
+) -> list[VariantSpec]:
     """No speculation; vLLM's DFlash chain (num_speculative_tokens = block_size - 1; greedy only: vLLM's
     CPU rejection sampler is biased at T > 0); DDTree of width 1 (`ddtree_topk: 1`, the chain's shape
     under DDTree's exact sampler: the chain baseline at T > 0 and the stage-timed chain); DDTree at each
@@ -66,6 +68,7 @@ def build_variants(draft: str, budgets: list[int], default_budget: int, with_cha
 class VariantSummary:
     """One variant over the timed rounds of one cell (spreads over rounds; ratios taken inside rounds).
 
+    nodes_per_step: draft tokens verified per request and decode step;
     vs_none, vs_chain: tokens/s over no speculation's and over the chain baseline's (vLLM's chain at
     T = 0, width 1 at T > 0); step_ms: medians of the per-round `StepSplit`; stage_ms: medians of
     milliseconds per step by runner stage; bound: the zero-overhead bound over the chain baseline
@@ -78,6 +81,7 @@ class VariantSummary:
     budget: int | None
     tokens_per_second: Spread
     tokens_per_step: Spread
+    nodes_per_step: Spread
     vs_none: Spread | None
     vs_chain: Spread | None
     step_ms: StepSplit | None
@@ -120,6 +124,20 @@ def summed_shapes(runs: list[TimedRun]) -> dict[str, int] | None:
     return {shape: steps for shape, steps in sorted(total.items(), key=lambda kv: -kv[1]) if steps}
 
 
+def bounds(runs: list[TimedRun], width1: list[TimedRun] | None, chain: list[TimedRun] | None) -> list[Bound] | None:
+    """The zero-overhead bound of each round's run, against the same round's width-1 cost per row and
+    chain baseline (None when a stage-timed split or a reference is missing)."""
+    if width1 is None or chain is None:
+        return None
+    splits, chain_splits = [r.split() for r in runs], [w.split() for w in width1]
+    if None in splits or None in chain_splits:
+        return None
+    return [
+        zero_overhead_bound(s, r.seconds, r.output_tokens, w.forward_per_row, c.tokens_per_second)
+        for s, r, w, c in zip(splits, runs, chain_splits, chain)
+    ]
+
+
 def summarize(temperature: float, variants: list[VariantSpec], runs: dict[str, list[TimedRun]]) -> list[VariantSummary]:
     """Summaries of the variants that ran (`runs`: timed runs per variant name, round by round)."""
     present = [v for v in variants if v.name in runs]
@@ -130,14 +148,7 @@ def summarize(temperature: float, variants: list[VariantSpec], runs: dict[str, l
         mine = runs[v.name]
         tps = [r.tokens_per_second for r in mine]
         splits = [r.split() for r in mine]
-        timed = None not in splits
-        bound = bound_step = None
-        if v.kind == "fixed" and timed and width1 is not None and chain is not None and width1[0].split() is not None:
-            bounds = [
-                zero_overhead_bound(s, r.seconds, r.output_tokens, w.split().forward_per_row, c.tokens_per_second)
-                for s, r, w, c in zip(splits, mine, width1, chain)
-            ]
-            bound, bound_step = spread([b.ratio for b in bounds]), spread([b.step for b in bounds]).median
+        bound = bounds(mine, width1, chain) if v.kind == "fixed" else None
         summaries.append(
             VariantSummary(
                 variant=v.name,
@@ -145,12 +156,13 @@ def summarize(temperature: float, variants: list[VariantSpec], runs: dict[str, l
                 budget=v.budget,
                 tokens_per_second=spread(tps),
                 tokens_per_step=spread([r.tokens_per_step for r in mine]),
+                nodes_per_step=spread([r.nodes_per_step for r in mine]),
                 vs_none=per_round_ratios(tps, [r.tokens_per_second for r in none]) if none else None,
                 vs_chain=per_round_ratios(tps, [r.tokens_per_second for r in chain]) if chain else None,
-                step_ms=median_split(splits) if timed else None,
+                step_ms=median_split(splits) if None not in splits else None,
                 stage_ms=median_stage_ms(mine),
-                bound=bound,
-                bound_step_ms=bound_step,
+                bound=spread([b.ratio for b in bound]) if bound else None,
+                bound_step_ms=spread([b.step for b in bound]).median if bound else None,
                 shape_steps=summed_shapes(mine),
                 acceptance_per_position=mine[0].acceptance_per_position,
             )
@@ -177,12 +189,13 @@ def fmt(value: Spread | None, suffix: str = "x") -> str:
 
 
 def format_speed_table(summaries: list[VariantSummary]) -> str:
-    """Tokens per step, tokens/s and the per-round ratios: median [min-max] over rounds."""
-    header = f"{'variant':<24} {'tokens/step':>11} {'tokens/s':>20} {'vs no spec':>19} {'vs chain':>19}"
+    """Nodes verified and tokens committed per request and decode step, tokens/s and the per-round
+    ratios: median [min-max] over rounds (nodes and tokens per step: medians)."""
+    header = f"{'variant':<24} {'nodes/step':>10} {'tokens/step':>11} {'tokens/s':>22} {'vs no spec':>19} {'vs chain':>19}"
     lines = [header, "-" * len(header)]
     for s in summaries:
         lines.append(
-            f"{s.variant:<24} {s.tokens_per_step.median:>11.2f} {s.tokens_per_second.format(1):>20}"
+            f"{s.variant:<24} {s.nodes_per_step.median:>10.1f} {s.tokens_per_step.median:>11.2f} {s.tokens_per_second.format(1):>22}"
             f" {fmt(s.vs_none):>19} {fmt(s.vs_chain):>19}"
         )
     return "\n".join(lines)
