@@ -59,9 +59,10 @@ def test_climbs_to_the_fastest_shape_without_trying_far_ones():
     policy = AdaptiveBudget(shapes, hold=3, probe_hold=3, warmup=1, explore=0.0)
     chosen = simulate(policy, rates, 60)
     assert chosen[0] == TreeShape(8)  # start: the first tree of >= 8 nodes
+    assert chosen[3:6] == [TreeShape(0, 1)] * 3  # then off, the reference
     assert all(chosen[3 * i] == chosen[3 * i + 1] == chosen[3 * i + 2] for i in range(20))  # held 3 steps
     assert set(chosen[-30:]) == {TreeShape(16)}
-    assert TreeShape(64) not in chosen and TreeShape(0, 1) not in chosen
+    assert TreeShape(64) not in chosen and TreeShape(4) not in chosen
 
 
 def test_probes_briefly_and_a_new_batch_size_starts_where_the_nearest_one_stands():
@@ -69,7 +70,8 @@ def test_probes_briefly_and_a_new_batch_size_starts_where_the_nearest_one_stands
     rates = {s: 100.0 - 10 * abs(i - 2) for i, s in enumerate(shapes)}  # the chain is fastest
     policy = AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0)
     chosen = simulate(policy, rates, 40, num_requests=16)
-    assert chosen[:2] == [TreeShape(8)] * 2 and chosen[2:4] == [TreeShape(7, 1)] * 2  # probes: 2 steps each
+    assert chosen[:2] == [TreeShape(8)] * 2 and chosen[2:4] == [TreeShape(0, 1)] * 2  # probes: 2 steps each
+    assert chosen[4:6] == [TreeShape(7, 1)] * 2
     assert chosen[-4:] == [TreeShape(7, 1)] * 4
     assert simulate(policy, rates, 1, num_requests=5)[0] == TreeShape(7, 1)  # bucket 4-7 starts at 16's best
 

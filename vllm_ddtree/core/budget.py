@@ -19,7 +19,9 @@ steps, on other text than the trees it is compared with. (A tree ending right be
 accepted run gives a lower bound; best-first trees of 8 or more nodes rarely do: about 1% low.)
 Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can be very slow,
 so they are never tried blindly): a bucket starts where the nearest bucket with measurements stands
-(the first one: at the first tree of at least 8 nodes, or the cap); then take the best measured tokens
+(the first one: at the first tree of at least 8 nodes, or the cap), and times off next (cheap, and the
+reference every shape must beat: at large batches on compute-bound hardware speculation loses, and
+the climb down to off would take several probes); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times, and with probability
 `explore` (seeded) re-time a neighbour. Hysteresis: the best shape of a bucket changes only when a
 rival's rate beats it by more than `margin` (3%), so timing noise between near-equal shapes does not
@@ -276,6 +278,9 @@ class AdaptiveBudget:
         rates = self._rates(bucket)
         if not rates:
             return self.shapes[self._start_index(bucket)], self.probe_hold
+        off = self.shapes.index(OFF) if OFF in self.shapes else None
+        if off is not None and off not in rates:
+            return OFF, self.probe_hold  # the reference every shape must beat: timed early in every bucket
         leader = max(rates, key=rates.get)
         for i in (leader - 1, leader + 1):  # climb: time the leader's neighbours first
             if 0 <= i < len(self.shapes) and i not in rates:
