@@ -70,8 +70,8 @@ def test_probes_briefly_and_a_new_batch_size_starts_where_the_nearest_one_stands
     rates = {s: 100.0 - 10 * abs(i - 2) for i, s in enumerate(shapes)}  # the chain is fastest
     policy = AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0)
     chosen = simulate(policy, rates, 40, num_requests=16)
-    assert chosen[:2] == [TreeShape(8)] * 2 and chosen[2:4] == [TreeShape(0, 1)] * 2  # probes: 2 steps each
-    assert chosen[4:6] == [TreeShape(7, 1)] * 2
+    assert chosen[:2] == [TreeShape(8)] * 2 and chosen[6:8] == [TreeShape(7, 1)] * 2  # probes: 2 steps each
+    assert chosen[2:6] == [TreeShape(0, 1)] * 4  # off, the reference, is timed over a full hold
     assert chosen[-4:] == [TreeShape(7, 1)] * 4
     assert simulate(policy, rates, 1, num_requests=5)[0] == TreeShape(7, 1)  # bucket 4-7 starts at 16's best
 
@@ -86,7 +86,7 @@ def test_walks_down_to_off_when_speculation_does_not_pay():
 
 def test_switches_when_the_fastest_shape_changes_and_falls_back_to_off():
     shapes = candidate_shapes(16, 7)
-    policy = AdaptiveBudget(shapes, explore=0.1, seconds_decay=0.8, tokens_decay=0.8)
+    policy = AdaptiveBudget(shapes, explore=0.1, seconds_window=5, tokens_decay=0.8)
     simulate(policy, {s: 100.0 + s.budget for s in shapes}, 200)  # big trees pay (100.0 + budget)
     late = simulate(policy, {s: 100.0 - s.budget for s in shapes}, 400)[-100:]  # now nothing pays
     assert late.count(TreeShape(0, 1)) >= 85
@@ -263,22 +263,47 @@ def test_step_clock_reports_contiguous_decode_steps_only():
     assert [o[2] for o in policy.observed] == [0.06, 0.1]
 
 
-def test_equal_shapes_do_not_flip_flop_under_timing_noise():
-    """Two equally fast shapes timed with +-5% noise per step and re-timed often (explore 0.3): the
-    best shape the policy holds settles and stays (hysteresis) instead of following the noise. (Without
-    the margin it changes 7-11 times in the same 300 steps.)"""
+def held_best_changes(margin: float, seed: int) -> int:
+    """Changes of the held best shape over 300 steps (after 100), for two equally fast shapes timed with
+    +-5% noise per step and re-timed often (explore 0.3)."""
     shapes = candidate_shapes(16, 7)  # off, 4, chain 7, 8, 16
     rates = {s: 10.0 for s in shapes}
     rates[TreeShape(8)] = rates[TreeShape(16)] = 100.0
-    for seed in range(3):
-        rng = random.Random(seed)
-        policy = AdaptiveBudget(shapes, hold=2, probe_hold=1, explore=0.3, seed=seed)
-        held = []
-        for _ in range(400):
-            shape = policy.choose(4)
-            held.append(policy.best_shape(4))
-            seconds = 0.01 * (1 + rng.uniform(-0.05, 0.05))
-            policy.observe(4, shape, seconds, {shape: rates[shape] * 0.01})
-        tail = held[-300:]
-        assert sum(a != b for a, b in zip(tail, tail[1:])) == 0, seed
-        assert tail[-1] in (TreeShape(8), TreeShape(16))
+    rng = random.Random(seed)
+    policy = AdaptiveBudget(shapes, hold=2, probe_hold=1, explore=0.3, margin=margin, seed=seed)
+    held = []
+    for _ in range(400):
+        shape = policy.choose(4)
+        held.append(policy.best_shape(4))
+        policy.observe(4, shape, 0.01 * (1 + rng.uniform(-0.05, 0.05)), {shape: rates[shape] * 0.01})
+    tail = held[-300:]
+    assert tail[-1] in (TreeShape(8), TreeShape(16))
+    return sum(a != b for a, b in zip(tail, tail[1:]))
+
+
+def test_equal_shapes_do_not_flip_flop_under_timing_noise():
+    """The best shape the policy holds stays put under timing noise (hysteresis): at most 2 changes in
+    300 steps per seed, and at most half as many as without the margin (measured: 4 vs 19 in all)."""
+    with_margin = [held_best_changes(0.03, seed) for seed in range(3)]
+    without = [held_best_changes(0.0, seed) for seed in range(3)]
+    assert max(with_margin) <= 2 and 2 * sum(with_margin) <= sum(without), (with_margin, without)
+
+
+def test_an_unlucky_early_timing_of_off_does_not_keep_it_out():
+    """Off is timed once while the machine is slow (10x), then is really the fastest shape: re-timing
+    (exploration includes off, not only the best shape's neighbours) brings the policy to it."""
+    shapes = candidate_shapes(32, 7)  # off, 4, chain 7, 8, 16, 32
+    rates = {s: 100.0 for s in shapes}
+    rates[TreeShape(0, 1)], rates[TreeShape(7, 1)] = 200.0, 120.0
+    policy = AdaptiveBudget(shapes, hold=2, probe_hold=2, explore=0.1, seed=1)
+    first_off = True
+    chosen = []
+    for _ in range(600):
+        shape = policy.choose(16)
+        chosen.append(shape)
+        slow = 10.0 if shape == TreeShape(0, 1) and first_off else 1.0
+        policy.observe(16, shape, 0.01 * slow, {shape: rates[shape] * 0.01})
+        if shape == TreeShape(0, 1) and slow > 1:
+            first_off = policy.seconds.get((batch_bucket(16), shape)) is None
+    assert policy.best_shape(16) == TreeShape(0, 1)
+    assert chosen[-100:].count(TreeShape(0, 1)) > 80

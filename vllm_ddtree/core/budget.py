@@ -2,12 +2,12 @@
 
 Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft only stores its context,
 without its block pass), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
-the configured cap (the cap itself included), ordered by node count. We keep decayed means of the
-seconds per step of each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and of the tokens
+the configured cap (the cap itself included), ordered by node count. We keep the seconds per step of
+each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and decayed means of the tokens
 it commits per request and step, pooled over all batch sizes (acceptance depends on the text, not on
 the batch, and small buckets see few steps). Seconds are measured for the shape a step used, except
 its first step in the bucket (one-time costs: new tensor shapes, caches), and follow only shape and
-batch, so they decay fast. Tokens follow the text (a repetition loop accepts every draft, fresh code
+batch, so a short window of recent steps serves. Tokens follow the text (a repetition loop accepts every draft, fresh code
 few), so they are averaged over about a hundred steps. Tokens are measured for the shape a step used AND for every
 candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
 of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
@@ -19,11 +19,14 @@ steps, on other text than the trees it is compared with. (A tree ending right be
 accepted run gives a lower bound; best-first trees of 8 or more nodes rarely do: about 1% low.)
 Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can be very slow,
 so they are never tried blindly): a bucket starts where the nearest bucket with measurements stands
-(the first one: at the first tree of at least 8 nodes, or the cap), and times off next (cheap, and the
-reference every shape must beat: at large batches on compute-bound hardware speculation loses, and
-the climb down to off would take several probes); then take the best measured tokens
+(the first one: at the first tree of at least 8 nodes, or the cap), and times the references next:
+off (cheap) and the chain, what a user would run instead of trees (at large batches on compute-bound
+hardware speculation loses, and a climb down to them would take several probes or stop on a tie
+before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times, and with probability
-`explore` (seeded) re-time a neighbour. Hysteresis: the best shape of a bucket changes only when a
+`explore` (seeded) re-time a neighbour or a reference (so one unlucky early timing cannot keep them
+out). Seconds are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed
+does not move it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
 rival's rate beats it by more than `margin` (3%), so timing noise between near-equal shapes does not
 make the choice flip back and forth; the climb still follows the measured leader's unmeasured
 neighbours, so a slope of small gains is walked to its end. The best shape is held for `hold` steps; a shape tried for
@@ -33,6 +36,7 @@ requests finish, must not spend their steps probing).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,6 +93,28 @@ def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
 def batch_bucket(num_requests: int) -> int:
     """floor(log2(num_requests)): requests 1 | 2-3 | 4-7 | ..."""
     return max(1, num_requests).bit_length() - 1
+
+
+@dataclass
+class RecentMedian:
+    """Median of the last `window` values of a per-step quantity: a step slowed by the machine (another
+    process, a page fault, the garbage collector) moves it not at all, unlike a mean."""
+
+    window: int = 9
+    values: deque[float] = field(default_factory=deque)
+    steps: int = 0
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+        if len(self.values) > self.window:
+            self.values.popleft()
+        self.steps += 1
+
+    @property
+    def mean(self) -> float:
+        """The median (the name is the one the policy reads from every estimate)."""
+        ordered = sorted(self.values)
+        return ordered[len(ordered) // 2] if ordered else 0.0
 
 
 @dataclass
@@ -226,11 +252,11 @@ class AdaptiveBudget:
     warmup: int = 1
     explore: float = 0.05
     margin: float = 0.03
-    seconds_decay: float = 0.95
+    seconds_window: int = 9
     tokens_decay: float = 0.99
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
-    seconds: dict[tuple[int, TreeShape], DecayedMean] = field(default_factory=dict)
+    seconds: dict[tuple[int, TreeShape], RecentMedian] = field(default_factory=dict)
     _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
     _bucket: int = -1
@@ -253,7 +279,7 @@ class AdaptiveBudget:
         requests together."""
         bucket = batch_bucket(num_requests)
         if (bucket, used) in self._untimed_first_steps:
-            self.seconds.setdefault((bucket, used), DecayedMean()).add(seconds, self.seconds_decay)
+            self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds)
         self._untimed_first_steps.add((bucket, used))
         for shape, count in tokens.items():
             self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay)
@@ -278,9 +304,10 @@ class AdaptiveBudget:
         rates = self._rates(bucket)
         if not rates:
             return self.shapes[self._start_index(bucket)], self.probe_hold
-        off = self.shapes.index(OFF) if OFF in self.shapes else None
-        if off is not None and off not in rates:
-            return OFF, self.probe_hold  # the reference every shape must beat: timed early in every bucket
+        references = [i for i, shape in enumerate(self.shapes) if shape.is_off or shape.is_chain]
+        for i in references:  # what a user would run instead, timed early in every bucket
+            if i not in rates:
+                return self.shapes[i], self.hold if self.shapes[i].is_off else self.probe_hold
         leader = max(rates, key=rates.get)
         for i in (leader - 1, leader + 1):  # climb: time the leader's neighbours first
             if 0 <= i < len(self.shapes) and i not in rates:
@@ -289,9 +316,9 @@ class AdaptiveBudget:
         if best is None or best not in rates or rates[leader] > rates[best] * (1 + self.margin):
             best = leader  # hysteresis: the held best yields only to a rival `margin` faster
         self._best[bucket] = best
-        neighbours = [i for i in (best - 1, best + 1) if 0 <= i < len(self.shapes)]
-        if float(torch.rand(1, generator=self._rng)) < self.explore:
-            return self.shapes[neighbours[int(torch.randint(len(neighbours), (1,), generator=self._rng))]], self.probe_hold
+        retimed = [i for i in dict.fromkeys((best - 1, best + 1, *references)) if 0 <= i < len(self.shapes) and i != best]
+        if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
+            return self.shapes[retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]], self.probe_hold
         return self.shapes[best], self.hold
 
     def _rates(self, bucket: int) -> dict[int, float]:
