@@ -53,9 +53,12 @@ def accept_tree(
         target_token_ids: [R, N] the target's token at every node (entries of padded nodes ignored).
         ancestor_mask: tree_attention_mask(tree), if the caller already has it.
     """
+    num_req, num_nodes = tree.token_ids.shape
+    if num_nodes == 1:  # roots alone (no drafts anywhere in the batch): the target's token is the bonus
+        bonus = target_token_ids[:, 0]
+        return TreeAcceptance(torch.zeros_like(tree.parents), torch.ones_like(bonus), bonus.unsqueeze(1).clone(), bonus)
     if ancestor_mask is None:
         ancestor_mask = tree_attention_mask(tree)
-    num_req, num_nodes = tree.token_ids.shape
     path_len = max_path_length(tree)
     target_at_parent = target_token_ids.gather(1, tree.parents.clamp(min=0))
     matches = tree.valid & ((tree.token_ids == target_at_parent) | (tree.parents < 0))

@@ -64,6 +64,7 @@ def configure_environment() -> None:
 
     One OpenMP thread per engine unless OMP_NUM_THREADS says otherwise (vLLM passes this process's torch
     thread count on to the engine core): with the front end on the other core, two cores are used.
+    OMP_WAIT_POLICY=PASSIVE unless set.
     VLLM_CPU_KVCACHE_SPACE is dropped: it would override every engine's kv_cache_memory_bytes.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -73,6 +74,10 @@ def configure_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # Idle OpenMP threads sleep instead of spinning: with every engine alive at once, the engine that just
+    # finished its pass would otherwise spin on the cores the next one is timed on (measured: the default
+    # config's throughput cell 0.46x -> 0.73x of no speculation, its policy misled into the chain).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))

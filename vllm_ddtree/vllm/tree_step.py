@@ -155,8 +155,11 @@ class TreeStep:
         `input_batch.token_ids_cpu`), so node i's token is token_ids[r, start + i]. The requests'
         proposed trees are taken out of `proposals`."""
         num_req = len(req_ids)
+        if not num_drafts.any():
+            proposals.drop(req_ids)
+            return cls.roots_alone(root_rows, starts, token_ids)
         num_nodes = 1 + num_drafts
-        width = int(num_nodes.max()) if num_req else 1
+        width = int(num_nodes.max())
         offsets = np.arange(width)
         valid = offsets[None, :] < num_nodes[:, None]
         columns = starts[:, None] + np.where(valid, offsets[None, :], 0)
@@ -165,18 +168,13 @@ class TreeStep:
         parents, depths, ranks = chain.clone(), (chain + 1).clone(), torch.zeros(num_req, width, dtype=torch.long)
         valid_t = torch.from_numpy(valid)
         drafted = torch.from_numpy(num_drafts > 0)
-        fallbacks = 0
-        if bool(drafted.any()):
-            proposed = proposals.take(req_ids, width)
-            num_nodes_t = torch.from_numpy(num_nodes).long()
-            same_tokens = ((proposed.token_ids == tokens) | ~valid_t)[:, 1:].all(1)
-            use = drafted & proposed.found & (proposed.num_nodes >= num_nodes_t) & same_tokens
-            fallbacks = int((drafted & ~use).sum())
-            parents = torch.where(use.unsqueeze(1), proposed.parents, parents)
-            depths = torch.where(use.unsqueeze(1), proposed.depths, depths)
-            ranks = torch.where(use.unsqueeze(1), proposed.ranks, ranks)
-        else:
-            proposals.drop(req_ids)
+        proposed = proposals.take(req_ids, width)
+        same_tokens = ((proposed.token_ids == tokens) | ~valid_t)[:, 1:].all(1)
+        use = drafted & proposed.found & (proposed.num_nodes >= torch.from_numpy(num_nodes)) & same_tokens
+        fallbacks = int((drafted & ~use).sum())
+        parents = torch.where(use.unsqueeze(1), proposed.parents, parents)
+        depths = torch.where(use.unsqueeze(1), proposed.depths, depths)
+        ranks = torch.where(use.unsqueeze(1), proposed.ranks, ranks)
         parents = torch.where(valid_t, parents, -1)
         depths = torch.where(valid_t, depths, 0)
         ranks = torch.where(valid_t, ranks, 0)
@@ -188,7 +186,7 @@ class TreeStep:
             ranks=ranks,
             valid=valid_t,
             num_nodes=torch.from_numpy(num_nodes).long(),
-            max_depth=int(depths.max()) if num_req else 0,
+            max_depth=int(depths.max()),
         )
         return cls(
             root_rows=torch.from_numpy(root_rows).long(),
@@ -197,6 +195,29 @@ class TreeStep:
             tree=tree,
             ancestor_mask=tree_attention_mask(tree),
             num_chain_fallbacks=fallbacks,
+        )
+
+    @classmethod
+    def roots_alone(cls, root_rows: np.ndarray, starts: np.ndarray, token_ids: np.ndarray) -> TreeStep:
+        """A step without drafts (prefills, steps without speculation): every tree is its root alone."""
+        num_req = len(root_rows)
+        roots = torch.from_numpy(token_ids[np.arange(num_req), starts].astype(np.int64)).unsqueeze(1)
+        zeros = torch.zeros(num_req, 1, dtype=torch.long)
+        tree = DraftTree(
+            token_ids=roots,
+            parents=zeros - 1,
+            depths=zeros,
+            ranks=zeros,
+            valid=torch.ones(num_req, 1, dtype=torch.bool),
+            num_nodes=torch.ones(num_req, dtype=torch.long),
+            max_depth=0,
+        )
+        return cls(
+            root_rows=torch.from_numpy(root_rows).long(),
+            starts=torch.from_numpy(starts).long(),
+            num_drafts=torch.zeros(num_req, dtype=torch.long),
+            tree=tree,
+            ancestor_mask=torch.ones(num_req, 1, 1, dtype=torch.bool),
         )
 
     @property
