@@ -4,7 +4,7 @@ is answered correctly or refused alone, and nothing leaks.
 One server (the `server` fixture of test_serve: focused pair, budget 16, `--skip-tokenizer-init`) gets:
 1. 64 concurrent streaming completions with mixed parameters (greedy at several max_tokens, greedy
    with a stop token id, seeded temperature/top_p) plus one request with an unsupported option
-   (`presence_penalty`), which must get HTTP 400 while the others complete. Every greedy output equals the
+   (`logprobs=-1`: the whole vocabulary), which must get HTTP 400 while the others complete. Every greedy output equals the
    same prompt's greedy output sent alone; identical seeded requests give identical outputs.
 2. 32 more streaming requests, half closed by the client after a few chunks (server-side abort);
    the other half still equal their alone-greedy outputs.
@@ -111,7 +111,7 @@ def test_concurrent_streams_aborts_and_kv_release(server):  # noqa: F811
         async def unsupported():
             await asyncio.sleep(0.2)  # lands while the load is running
             try:
-                await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, presence_penalty=0.5, extra_body=EXTRA)
+                await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, logprobs=-1, extra_body=EXTRA)
             except BadRequestError as e:
                 return e
             return None
@@ -122,7 +122,7 @@ def test_concurrent_streams_aborts_and_kv_release(server):  # noqa: F811
         *results, refused = await asyncio.wait_for(asyncio.gather(*tasks, unsupported()), LOAD_DEADLINE_S)
         load_s = time.monotonic() - load_started
         assert isinstance(refused, BadRequestError) and refused.status_code == 400, refused
-        assert "presence_penalty" in str(refused), refused
+        assert "logprobs" in str(refused), refused
         assert not errors, errors
         seeded: dict = {}
         for (kind, p, want, params), (tokens, finish, _) in zip(specs, results):
