@@ -60,7 +60,7 @@ from typing import Any
 
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
 from vllm_ddtree.demo.engines import shutdown_all, start_engines
-from vllm_ddtree.demo.quiet import log_tail, output_to_log
+from vllm_ddtree.demo.quiet import quiet_run
 from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_bound, format_shapes
 from vllm_ddtree.demo.summary import format_speed_table, format_stage_table, greedy_mismatches, summarize
 
@@ -318,20 +318,11 @@ def write_outputs(stem: str, report: dict[str, Any], measured: Measured) -> list
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_environment()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "bench-" + time.strftime("%Y%m%d-%H%M%S"))
     began = time.perf_counter()
-    try:
-        with output_to_log(stem + ".log") as console:
-            def say(line: str) -> None:
-                print(line, file=console, flush=True)
-
-            machine = machine_info()
-            say("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
-            report, measured = measure_cells(args, say)
-    except BaseException:
-        print(f"last lines of the engine log {stem}.log:\n{log_tail(stem + '.log')}", file=sys.stderr)
-        raise
+    with quiet_run(args.out, "bench") as (stem, say):
+        machine = machine_info()
+        say("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+        report, measured = measure_cells(args, say)
     if measured:
         print("\nmedian tokens/s over the chain baseline's (vLLM's DFlash chain at T=0, DDTree width 1 at T>0):")
         print(format_matrix(measured))

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
 from vllm_ddtree.demo.engines import shutdown_all, start_engines
-from vllm_ddtree.demo.quiet import log_tail, output_to_log
+from vllm_ddtree.demo.quiet import quiet_run
 from vllm_ddtree.demo.stats import StepSplit
 from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_shapes
 from vllm_ddtree.demo.summary import format_speed_table, greedy_mismatches, summarize
@@ -248,18 +248,9 @@ def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, arg
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_environment()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "demo-" + time.strftime("%Y%m%d-%H%M%S"))
-    try:
-        with output_to_log(stem + ".log") as console:
-            def say(line: str) -> None:
-                print(line, file=console, flush=True)
-
-            results, errors = run_demo(args, say)
-            identical = report(results, errors, stem, args, say)
-    except BaseException:
-        print(f"last lines of {stem}.log:\n{log_tail(stem + '.log')}", file=sys.stderr)
-        raise
+    with quiet_run(args.out, "demo") as (stem, say):
+        results, errors = run_demo(args, say)
+        identical = report(results, errors, stem, args, say)
     if not identical:
         mismatches = [m for r in results for m in r.mismatches]
         print(f"FAIL: outputs differ from plain decoding: {mismatches}; engines that did not start: {errors}", file=sys.stderr)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -47,3 +48,18 @@ def log_tail(log_path: str, lines: int = 30) -> str:
     """The last `lines` lines of the log (to show next to an error)."""
     with open(log_path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
+
+
+@contextmanager
+def quiet_run(out_dir: str, prefix: str) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """A run whose vLLM output goes to `<out_dir>/<prefix>-<time>.log`: yields (the results' path stem,
+    `say`, which prints one of the program's own lines on the console); on an error, the log's last
+    lines are printed before it propagates."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, prefix + "-" + time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        with output_to_log(stem + ".log") as console:
+            yield stem, lambda line: print(line, file=console, flush=True)
+    except BaseException:
+        print(f"last lines of {stem}.log:\n{log_tail(stem + '.log')}", file=sys.stderr)
+        raise

@@ -700,7 +700,7 @@ def acceptance_eval(target_model, draft, prompts: list[tuple[str, list[int]]], r
     tree node on the reference path (DDTree); tau = accepted + 1; next anchor a + tau."""
     tgt = CachedTarget(target_model, r.target_layer_ids)
     embed, lm_head = tgt.embed, tgt.lm_head
-    B, D = r.block_size, r.block_size - 1
+    D = r.block_size - 1
     per_prompt = []
     for f, p in prompts:
         P = len(p)
@@ -851,7 +851,6 @@ def main(argv: list[str] | None = None) -> None:
     tdir, ddir = os.path.join(out, "target"), os.path.join(out, "draft")
     os.makedirs(tdir, exist_ok=True)
     times: dict[str, float] = {}
-    t_all = time.time()
     record: dict = {"command": "python -m vllm_ddtree.demo.train_pair " + " ".join(sys.argv[1:] if argv is None else argv),
                     "recipe": asdict(r), "scale": args.scale, "threads": args.threads,
                     "python": sys.version.split()[0], "torch": torch.__version__,
