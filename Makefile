@@ -29,8 +29,7 @@ demo: install
 	$(PY) -m vllm_ddtree.demo
 
 # Interleaved benchmark (every variant's engine alive, timed round-robin): tables on stdout; JSON, PNGs
-# and vLLM's log under benchmarks/results/. Full matrix about 20 min on 2 shared cores (estimated from
-# single cells); --quick about 1.5 min; select cells with ARGS="--batches 1 --contexts 2k ...".
+# and vLLM's log under benchmarks/results/. Full matrix 32 min on 2 cores (measured); ARGS selects cells.
 bench: install
 	$(PY) benchmarks/bench.py $(ARGS)
 
