@@ -173,10 +173,15 @@ class DDTreeRunnerMixin:
             self.num_chain_fallbacks += step.num_chain_fallbacks
             logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
-        rows, positions = step.tree_positions()
-        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
-        step.node_slots = self._step_slot_mapping()[step.node_rows().to(self._step_slot_mapping().device)]
+        self._set_positions(*step.tree_positions())
+        slot_mapping = self._step_slot_mapping()
+        step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device)]
         return step
+
+    def _set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """Overwrite the RoPE positions of batch `rows` (host tensors) in the runner's device buffer."""
+        device = self.positions.device
+        self.positions[rows.to(device)] = positions.to(device, self.positions.dtype)
 
     @override
     def _build_attention_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -347,8 +352,7 @@ class DDTreeRunnerMixin:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
         positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        rows, positions = step.linear_positions()
-        self.positions[rows.to(self.positions.device)] = positions.to(self.positions.device, self.positions.dtype)
+        self._set_positions(*step.linear_positions())
         plan = step.plan
         if plan is None or not bool(plan.is_move.any()):  # every accepted path already sits in path order
             return aux_hidden_states
