@@ -22,8 +22,10 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens = B` (so the draft
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
 vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
-`worker_cls` = our CPU worker and async scheduling off. `rewrite_engine_args` does that rewrite and
-`log_rewrite` logs what it forced. Refused with a message: non-CPU platforms, the V2 model runner,
+`worker_cls` = our worker for the platform and async scheduling off; on CUDA GPUs also the V1 model
+runner (`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs
+the tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
+Refused with a message: platforms other than CPU and CUDA, another GPU attention backend, the V2 model runner,
 async scheduling, another worker_cls, a quantized KV cache, pipeline parallelism > 1 (vLLM's DFlash
 itself fails under it on the V1 runner), Ray executors (vLLM's CPU platform refuses Ray), a budget
 outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has built its configs,
@@ -51,6 +53,10 @@ logger = logging.getLogger("vllm.ddtree")
 
 METHOD = "ddtree"
 WORKER_CLS = "vllm_ddtree.vllm.worker.DDTreeCPUWorker"
+GPU_WORKER_CLS = "vllm_ddtree.vllm.gpu_worker.DDTreeGPUWorker"
+GPU_ATTENTION_BACKEND = "TRITON_ATTN"
+"""The one GPU attention backend method 'ddtree' runs (target and draft): vLLM's Triton attention, whose
+tree-verify rows our subclass recomputes with the Triton tree kernel (`vllm/triton_attention.py`)."""
 ADDITIONAL_CONFIG_KEY = "ddtree"
 
 _PASSTHROUGH_KEYS = frozenset(
@@ -147,8 +153,12 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     from vllm.platforms import current_platform
 
     ddtree, dflash = _split_user_config(_user_speculative_config(args))
-    if not current_platform.is_cpu():
-        raise ValueError("method 'ddtree' runs on vLLM's CPU backend only in this release; use method 'dflash' on GPUs")
+    on_gpu = current_platform.is_cuda()
+    if not (current_platform.is_cpu() or on_gpu):
+        raise ValueError(
+            f"method 'ddtree' runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}; "
+            "use method 'dflash' there"
+        )
     if _requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
         raise ValueError(
             f"method 'ddtree' needs vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
@@ -156,8 +166,11 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         )
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
-    if args.worker_cls not in ("auto", WORKER_CLS):
-        raise ValueError(f"method 'ddtree' installs its own worker ({WORKER_CLS}); drop worker_cls={args.worker_cls!r}")
+    worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
+    if args.worker_cls not in ("auto", worker_cls):
+        raise ValueError(f"method 'ddtree' installs its own worker ({worker_cls}); drop worker_cls={args.worker_cls!r}")
+    if on_gpu:
+        _check_gpu_attention_backend(args)
     if args.kv_cache_dtype not in ("auto", None):
         raise ValueError(f"method 'ddtree' needs an unquantized KV cache; drop kv_cache_dtype={args.kv_cache_dtype!r}")
     if (args.pipeline_parallel_size or 1) > 1:
@@ -169,9 +182,16 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
     check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
 
+    if on_gpu:
+        # vLLM picks its V2 model runner by default where it supports the features; ours subclasses V1.
+        # Worker processes start after this and inherit the variable.
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        args.attention_backend = GPU_ATTENTION_BACKEND
+        args.attention_config.backend = None
+        dflash["attention_backend"] = GPU_ATTENTION_BACKEND
     args.speculative_config = dflash
     args.async_scheduling = False
-    args.worker_cls = WORKER_CLS
+    args.worker_cls = worker_cls
     args.additional_config = {**(args.additional_config or {}), ADDITIONAL_CONFIG_KEY: asdict(ddtree)}
     return ddtree
 
@@ -188,9 +208,9 @@ _NO_PIPELINE_PARALLELISM = (
 _NO_RAY = (
     "method 'ddtree' does not run on Ray (distributed_executor_backend='ray' or data_parallel_backend='ray'): "
     "vLLM 0.32's CPU platform does not support Ray for any method (vLLM fails at start-up with \"current "
-    "platform cpu does not support ray.\"), and DDTree runs on the CPU platform only in this release. Use the "
-    "default multiprocess backend ('mp'): tensor_parallel_size for one machine's cores, data_parallel_size "
-    "for replicas, and one independent server per machine to scale across machines"
+    "platform cpu does not support ray.\"), and on GPUs the tree step is not validated under Ray workers. Use "
+    "the default multiprocess backend ('mp'): tensor_parallel_size for one machine's devices or cores, "
+    "data_parallel_size for replicas, and one independent server per machine to scale across machines"
 )
 _NO_MOE_DATA_PARALLELISM = (
     "method 'ddtree' does not support data parallelism (data_parallel_size={dp}) for mixture-of-experts targets "
@@ -200,6 +220,22 @@ _NO_MOE_DATA_PARALLELISM = (
     "communicator's all_gatherv). Use data_parallel_size=1 (tensor parallelism for one machine's cores) or "
     "independent servers per replica; dense targets are supported under data parallelism"
 )
+
+
+def _check_gpu_attention_backend(args: Any) -> None:
+    """Raise unless the attention backend a user chose is TRITON_ATTN or unset (the draft's follows it:
+    `speculative_config` takes no attention_backend key from a method 'ddtree' user)."""
+    chosen = {
+        "--attention-backend": args.attention_backend,
+        "attention_config.backend": getattr(args.attention_config, "backend", None),
+    }
+    for where, backend in chosen.items():
+        name = getattr(backend, "name", backend)
+        if name not in (None, "auto", GPU_ATTENTION_BACKEND):
+            raise ValueError(
+                f"method 'ddtree' verifies trees with vLLM's {GPU_ATTENTION_BACKEND} attention on GPUs (its own "
+                f"tree kernel runs on that backend's paged KV cache), but {where} is {name!r}; drop it"
+            )
 
 
 def _uses_ray(backend: Any) -> bool:
@@ -314,13 +350,16 @@ def check_engine_config(vllm_config: Any) -> None:
         )
 
 
-def log_rewrite(ddtree: DDTreeConfig) -> None:
+def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:
     """Log what `rewrite_engine_args` forced (call once vLLM has configured logging)."""
+    on_gpu = worker_cls == GPU_WORKER_CLS
     logger.info(
         "vllm_ddtree: method 'ddtree' (budget %d, topk cap %s) runs on vLLM's DFlash draft machinery; forced: "
-        "speculative method 'dflash' with num_speculative_tokens=%d, async_scheduling=False, worker_cls=%s",
+        "speculative method 'dflash' with num_speculative_tokens=%d, async_scheduling=False, worker_cls=%s%s",
         ddtree.budget,
         ddtree.topk,
         ddtree.budget,
-        WORKER_CLS,
+        worker_cls,
+        f", the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), attention backend {GPU_ATTENTION_BACKEND} for "
+        "target and draft" if on_gpu else "",
     )

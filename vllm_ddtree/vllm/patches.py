@@ -31,7 +31,7 @@ def _create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
         ddtree = rewrite_engine_args(self)
         config = original(self, *args, **kwargs)
         check_engine_config(config)
-        log_rewrite(ddtree)  # after the original: it configures vLLM's logging first
+        log_rewrite(ddtree, self.worker_cls)  # after the original: it configures vLLM's logging first
         return config
 
     return create_engine_config

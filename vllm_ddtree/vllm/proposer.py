@@ -67,7 +67,7 @@ class DDTreeProposer(DFlashProposer):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
-            top_logprobs, top_token_ids = (t.view(next_token_ids.shape[0], depth, -1) for t in self._top)
+            top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1) for t in self._top)
             trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees
             sizes = (trees.num_nodes - 1).tolist()
@@ -118,6 +118,12 @@ class DDTreeProposer(DFlashProposer):
             top = logprobs.topk(min(self._candidates, logprobs.shape[-1]), dim=-1)
         self._top = (top.values, top.indices)
         return top.indices[:, 0], None
+
+
+def _rank_zeros(top: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's draft top-k on every rank, so every rank builds the same trees (each rank's draft
+    forward ends in its own all-reduces; nothing guarantees bitwise-equal logits, hence equal ties)."""
+    return get_tp_group().broadcast(top.contiguous(), src=0)
 
 
 def _same_on_every_rank(shape: TreeShape) -> TreeShape:

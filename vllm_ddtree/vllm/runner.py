@@ -198,10 +198,10 @@ class DDTreeRunnerMixin:
         and KV compaction. Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens,
         max_tokens, detokenization and the spec-decode metrics need nothing new.
 
-        Under tensor parallelism every rank holds the same (all-gathered) logits and builds the same
-        trees, and the sampled tokens are broadcast from TP rank 0 (unseeded draws differ per rank), so
-        every rank commits the same tokens and reaches the same accepted path (each then compacts its
-        own KV shard)."""
+        Under tensor parallelism every rank builds its trees from TP rank 0's draft top-k (`proposer`)
+        and the sampled tokens are broadcast from TP rank 0 (unseeded draws differ per rank), so every
+        rank commits the same tokens and reaches the same accepted path (each then compacts its own KV
+        shard)."""
         step = self.step
         assert step is not None and logits is not None
         with self.stage_times.stage(ACCEPTANCE):
