@@ -40,7 +40,12 @@ At T = 0 every variant's output in every round, warm-up included, is compared wi
 
     python benchmarks/bench.py [--quick] [--batches 1 4 16] [--temperatures 0 1] [--contexts short 2k]
         [--budgets 8 16 32 64] [--default-budget 32] [--prompts 16] [--max-tokens 64] [--rounds 3]
-        [--warmup-rounds 1] [--out benchmarks/results]
+        [--warmup-rounds 1] [--out benchmarks/results] [--target T --draft D] [--tensor-parallel-size N]
+
+On a GPU machine with vLLM 0.32 and real checkpoints, the same table, JSON and plots:
+    python benchmarks/bench.py --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --tensor-parallel-size 1
+(prompts: the same held-out code as text, tokenized by the target's tokenizer; every variant's engine
+alive at once on the same GPUs, each with an equal share of their memory, CUDA graphs on).
 
 Output: tables on stdout; under --out, bench-<time>.json, three PNG plots (tokens/s over the chain per
 cell, tokens per step vs budget, decode-step breakdown) and bench-<time>.log (vLLM's own output).
@@ -96,10 +101,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per cell")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds per cell before the timed ones")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--target", help="target checkpoint (default: the shipped pair's); give --draft with it")
+    parser.add_argument("--draft", help="its DFlash draft checkpoint")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallelism of every engine (GPU)")
     parser.add_argument(
         "--quick", action="store_true", help="batches 1 4, T 0, short context, budgets 8 32, 4 prompts, 32 tokens, 2 rounds"
     )
     args = parser.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        parser.error("--target and --draft go together")
     if args.quick:
         args.batches, args.temperatures, args.contexts, args.budgets = [1, 4], [0.0], ["short"], [8, 32]
         args.prompts, args.max_tokens, args.rounds = 4, 32, 2
@@ -135,11 +145,20 @@ def prompt_tokens(context: str, max_tokens: int, largest_budget: int) -> int:
     return SHORT_PROMPT_TOKENS if context == "short" else MAX_POSITIONS - max_tokens - 2 * largest_budget
 
 
-def engine_kwargs(contexts: list[str], max_tokens: int, largest_budget: int) -> dict[str, Any]:
-    """Engine settings: max_model_len for the longest prompt, its output and two trees; a KV cache for the
-    largest context."""
+def engine_kwargs(contexts: list[str], max_tokens: int, largest_budget: int, num_engines: int, tensor_parallel_size: int) -> dict[str, Any]:
+    """Engine settings: max_model_len for the longest prompt, its output and two trees. On CPU: the pair's
+    settings (`ENGINE_KWARGS`) and a KV cache for the largest context. On a CUDA GPU: the checkpoint's
+    dtype, CUDA graphs (vLLM's default), vLLM's multiprocess executor for tensor parallelism, and each
+    of the `num_engines` engines alive at once on the same GPUs given an equal share of their memory."""
+    from vllm.platforms import current_platform
+
     longest = max(prompt_tokens(c, max_tokens, largest_budget) for c in contexts)
     max_model_len = max(1024, longest + max_tokens + 2 * largest_budget)
+    if current_platform.is_cuda():
+        return {"tensor_parallel_size": tensor_parallel_size, "gpu_memory_utilization": 0.9 / num_engines,
+                "max_model_len": max_model_len, "disable_log_stats": False, "seed": 0}
+    if tensor_parallel_size != 1:
+        raise SystemExit("--tensor-parallel-size is for GPUs: the CPU benchmark runs each engine on one core")
     return {**ENGINE_KWARGS, "max_model_len": max_model_len, "kv_cache_memory_bytes": max(KV_CACHE_BYTES[c] for c in contexts)}
 
 
@@ -248,16 +267,18 @@ def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple
     """Start the engines, measure every cell and print its tables; returns the JSON report and the summaries."""
     from vllm_ddtree.demo import demo_pair_paths
 
-    target, draft = demo_pair_paths()
+    target, draft = (args.target, args.draft) if args.target else demo_pair_paths()
+    tokenizer = args.target  # the shipped pair's prompts are its token ids; another target's, its tokens of the same text
     cells = cells_of(args)
     variants = build_variants(draft, args.budgets, args.default_budget, with_chain=any(c.temperature == 0 for c in cells))
     spec_of = {v.name: v for v in variants}
     largest_budget = max(args.budgets + [args.default_budget])
     prompts = {
-        c: tuple(map(tuple, context_prompts(args.prompts, prompt_tokens(c, args.max_tokens, largest_budget)))) for c in args.contexts
+        c: tuple(map(tuple, context_prompts(args.prompts, prompt_tokens(c, args.max_tokens, largest_budget), tokenizer)))
+        for c in args.contexts
     }
     say(f"target {target}\ndraft  {draft}\nstarting {len(variants)} engines")
-    kwargs = engine_kwargs(args.contexts, args.max_tokens, largest_budget)
+    kwargs = engine_kwargs(args.contexts, args.max_tokens, largest_budget, len(variants), args.tensor_parallel_size)
     engines, errors = start_engines(target, [(v.name, v.speculative_config) for v in variants], kwargs, say)
     report: dict[str, Any] = {"pair": {"target": target, "draft": draft}, "engine_kwargs": kwargs, "cells": [], "greedy_mismatches": []}
     report["errors"] = [{"variant": name, "error": error} for name, error in errors.items()]

@@ -83,22 +83,36 @@ def configure_environment() -> None:
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 
-def context_prompts(n: int, num_tokens: int) -> list[list[int]]:
+def context_prompts(n: int, num_tokens: int, tokenizer: str | None = None) -> list[list[int]]:
     """`n` held-out code prompts of exactly `num_tokens` token ids.
 
     Up to one snippet (256 tokens): `heldout_prompts`. Longer: prompt i concatenates snippets i, i+8,
     i+16, ... (of the 64, cyclically) and is cut to length, so no two prompts start alike (no prefix-cache
-    hits between prompts) and prompts 0-7 share no snippet.
+    hits between prompts) and prompts 0-7 share no snippet. With `tokenizer` (a model directory or hub
+    id, for a target other than the shipped pair's), the snippets' text is tokenized by it instead.
     """
     from vllm_ddtree.demo import heldout_prompts
 
-    if num_tokens <= SNIPPET_TOKENS:
+    if tokenizer is None and num_tokens <= SNIPPET_TOKENS:
         return heldout_prompts(n, num_tokens)
-    snippets = heldout_prompts(64, SNIPPET_TOKENS)
-    if n > len(snippets):
-        raise ValueError(f"at most {len(snippets)} prompts, got {n}")
-    per_prompt = -(-num_tokens // SNIPPET_TOKENS)
-    return [[t for j in range(per_prompt) for t in snippets[(i + 8 * j) % len(snippets)]][:num_tokens] for i in range(n)]
+    if n > 64:
+        raise ValueError(f"at most 64 prompts, got {n}")
+    if tokenizer is None:
+        snippets = heldout_prompts(64, SNIPPET_TOKENS)
+    else:
+        from transformers import AutoTokenizer
+
+        encode = AutoTokenizer.from_pretrained(tokenizer).encode
+        snippets = [encode(text, add_special_tokens=False) for text in heldout_prompts(64, SNIPPET_TOKENS, as_text=True)]
+    prompts = []
+    for i in range(n):
+        ids: list[int] = []
+        for j in range(len(snippets)):
+            ids += snippets[(i + 8 * j) % len(snippets)]
+            if len(ids) >= num_tokens:
+                break
+        prompts.append(ids[:num_tokens])
+    return prompts
 
 
 @dataclass(frozen=True)
