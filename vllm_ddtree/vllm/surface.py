@@ -84,6 +84,7 @@ _BLOCK_TABLE = "vllm.v1.worker.block_table.BlockTable"
 _BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
 _CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
+_TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _LAYER = "vllm.model_executor.layers.attention.Attention"
 
 
@@ -96,6 +97,8 @@ SURFACE: tuple[VLLMMember, ...] = (
     # ---- overrides: DDTreeRunnerMixin (runner.py) over vLLM's V1 runner ----------------------------------------------
     VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers and refuses M-RoPE after the load", params=("...",)),
     VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "refuses more than one KV cache group", params=("kv_cache_config", "...")),
+    VLLMMember(_GPU_RUNNER, "load_model", "override", "the same check on CUDA (DDTreeGPUModelRunner)", params=("...",)),
+    VLLMMember(_GPU_RUNNER, "initialize_kv_cache", "override", "the same refusal on CUDA (DDTreeGPUModelRunner)", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "execute_model", "override", "starts the budget policy's step clock and the step timer", params=("scheduler_output", "...")),
     VLLMMember(_GPU_RUNNER, "sample_tokens", "override", "ends the step timer and the step clock", params=("...",)),
     VLLMMember(_GPU_RUNNER, "_model_forward", "override", "times the target forward", params=("...",)),
@@ -113,6 +116,12 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackend", "get_builder_cls", "override", "selects DDTreeCPUAttentionMetadataBuilder", params=()),
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "build", "override", "returns metadata that can carry the tree masks", params=("common_prefix_len", "common_attn_metadata", "fast_build")),
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "forward", "override", "recomputes the tree nodes' rows with the tree masks", params=("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale", "output_block_scale")),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionBackend", "get_impl_cls", "override", "selects DDTreeTritonAttentionImpl", params=()),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionBackend", "get_builder_cls", "override", "selects DDTreeTritonAttentionMetadataBuilder", params=()),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionMetadataBuilder", "build", "override", "returns metadata that can carry the tree rows; resets the FULL-graph masks to causal", params=("common_prefix_len", "common_attn_metadata", "fast_build")),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionMetadataBuilder", "build_for_cudagraph_capture", "override", "a uniform verify capture carries a causal tree over the persistent buffers", params=("common_attn_metadata",)),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionImpl", "forward", "override", "recomputes the tree nodes' rows with the Triton tree kernel", params=("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale", "output_block_scale")),
+    VLLMMember(f"{_TRITON_ATTN}.TritonAttentionImpl", "fused_output_quant_supported", "override", "never: tree rows are written unquantized", params=("quant_key",)),
     # ---- our objects in vLLM's places --------------------------------------------------------------------------------
     VLLMMember(_GPU_RUNNER, "drafter", "replace", "DDTreeRunnerMixin.__init__ replaces vLLM's DFlashProposer with DDTreeProposer", created_in="__init__"),
     VLLMMember(_CPU_WORKER, "model_runner", "replace", "DDTreeCPUWorker.init_device replaces the runner before anything is loaded", created_in="init_device"),
@@ -165,6 +174,11 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "scale head_size", "the tree rows' attention scale and head size"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "isa", "the kernel ISA set on every layer (`layer.isa`): the paged KV layout", created_in="_set_isa_to_layers"),
     *_reads(_LAYER, "impl kv_cache head_size num_kv_heads", "each target layer's attention impl and paged KV cache"),
+    *_reads(f"{_TRITON_ATTN}.TritonAttentionImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks _kv_quant_mode", "layer options the tree rows cannot reproduce are refused at load"),
+    *_reads(f"{_TRITON_ATTN}.TritonAttentionImpl", "scale head_size", "the tree rows' attention scale and the cache's K/V split"),
+    *_reads(f"{_TRITON_ATTN}.TritonAttentionMetadataBuilder", "block_size num_heads_q headdim decode_cudagraph_enabled", "the tree buffers' shapes; whether FULL graphs replay uniform verify batches"),
+    *_reads(f"{_TRITON_ATTN}.TritonAttentionMetadata", "seq_lens block_table num_actual_tokens", "the tree kernel's lengths and block table; the batch's padded rows", created_in=None),
+    *_reads("vllm.v1.attention.backend.CommonAttentionMetadata", "causal max_query_len num_actual_tokens num_reqs", "which builds are uniform verify batches", created_in=None),
     *_reads(_CPU_WORKER, "device", "the device the replacement runner is built on", created_in="init_device"),
     *_reads("vllm.v1.worker.worker_base.WorkerBase", "vllm_config", "the config the replacement runner is built with"),
     *_reads("vllm.v1.engine.input_processor.InputProcessor", "vllm_config", "the admission patch finds method 'ddtree' in it"),
