@@ -39,15 +39,9 @@ def _unsupported() -> dict[str, tuple[dict, str, dict | None]]:
     """option -> (SamplingParams keywords, the refusal's message, the prompt if not the usual one).
     vLLM 0.32 itself refuses empty prompts and prompts over max_model_len (and greedy n > 1) whatever
     the method. (Penalties, min_tokens, bad_words, allowed_token_ids, min_p and logit_bias are served:
-    test_history_options.py.)"""
-    from vllm.sampling_params import StructuredOutputsParams
-
+    test_history_options.py; structured outputs: test_structured_outputs.py.)"""
     ours = "method 'ddtree' does not support {}; use method 'dflash' or plain decoding for such requests"
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    options = {
-        "logprob_token_ids": {"logprob_token_ids": [1, 2]},
-        "structured outputs": {"structured_outputs": StructuredOutputsParams(json=schema)},
-    }
+    options = {"logprob_token_ids": {"logprob_token_ids": [1, 2]}}
     cases = {name: (kw, ours.format(name), None) for name, kw in options.items()}
     cases["empty prompt"] = ({}, "The decoder prompt cannot be empty", {"prompt_token_ids": []})
     cases["prompt over max_model_len"] = (

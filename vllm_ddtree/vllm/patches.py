@@ -53,7 +53,7 @@ def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _ADMITTING_FOR_DDTREE.reset(admitting)
         if ddtree:
-            check_request(params)
+            check_request(params, self.structured_outputs_config)
         return result
 
     return validate_params
@@ -69,10 +69,37 @@ def _validate_spec_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     return validate_spec_decode
 
 
+def _runs_ddtree(owner: Any) -> bool:
+    """Whether a vLLM object holding `vllm_config` belongs to a method 'ddtree' engine."""
+    return DDTreeConfig.from_vllm_config(owner.vllm_config) is not None
+
+
+def _get_grammar_bitmask(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_grammar_bitmask(self: Any, scheduler_output: Any) -> Any:
+        if _runs_ddtree(self):
+            return None  # the runner masks every tree node itself (`node_grammar`)
+        return original(self, scheduler_output)
+
+    return get_grammar_bitmask
+
+
+def _validate_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def validate_tokens(self: Any, request: Any, spec_tokens: list[int]) -> list[int]:
+        if _runs_ddtree(self):
+            return spec_tokens  # a tree's node list, not a chain: the runner masks each node by its path
+        return original(self, request, spec_tokens)
+
+    return validate_tokens
+
+
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.structured_output import StructuredOutputManager
 
     return [
         # Why: SpeculativeConfig validates `method` against a closed Literal (and forbids extra keys), so
@@ -113,6 +140,34 @@ def all_patches() -> list[Patch]:
             make=_validate_spec_decode,
             why="admit min_p and logit_bias for method 'ddtree' (served at every tree node)",
             remove_when="vLLM lets speculative methods declare the sampling options they serve (RFC vllm#36219)",
+        ),
+        # Why: under speculative decoding vLLM's scheduler computes the structured-output bitmasks by
+        # walking each request's drafts as ONE chain (accepting draft i before masking row i + 1). A
+        # method 'ddtree' draft list is a tree's nodes in index order: walked as a chain, a sibling is
+        # taken for a child, the grammar rejects it ("Unexpected: grammar ... rejected draft token") and
+        # the rows get wrong masks. Only the runner holds the trees, so for 'ddtree' engines it computes
+        # every node's mask itself (`node_grammar`) and the scheduler sends none; the scheduler's grammar
+        # still advances with the committed tokens after each step (`update_from_output`, unchanged).
+        # Remove when: vLLM lets a speculative method supply per-draft masks (same registry as above).
+        Patch(
+            owner=Scheduler,
+            name="get_grammar_bitmask",
+            make=_get_grammar_bitmask,
+            why="no chain-walked structured-output masks for method 'ddtree' (its runner masks every tree node)",
+            remove_when="vLLM lets speculative methods supply per-draft grammar masks (RFC vllm#36219)",
+        ),
+        # Why: vLLM truncates each request's drafts at the first token its grammar rejects when walked as
+        # a chain (`update_draft_token_ids`). A tree's node list is not a chain (its second node may be a
+        # sibling of the first), so the truncation would cut valid trees, usually to one node. For
+        # 'ddtree' engines the drafts pass unchanged: a node whose path the grammar forbids is never
+        # accepted, since its parent's target token is drawn from grammar-masked logits.
+        # Remove when: vLLM lets a speculative method validate its own drafts (same registry as above).
+        Patch(
+            owner=StructuredOutputManager,
+            name="validate_tokens",
+            make=_validate_tokens,
+            why="keep method 'ddtree' trees whole under structured outputs (a node list is not a chain)",
+            remove_when="vLLM lets speculative methods validate their own drafts (RFC vllm#36219)",
         ),
     ]
 

@@ -2,15 +2,19 @@
 
 Served exactly: temperature, top_k, top_p, seeds, n > 1 (each sample is its own request), stop
 strings and stop token ids (stops act on committed tokens), logprobs (top n >= 0) and prompt_logprobs
-(each emitted token's from its node's logits row), and the options that depend on the tokens
-generated so far: presence / frequency / repetition penalties, min_tokens, bad_words and
-allowed_token_ids (every tree node is processed with its own history: the committed output plus its
-path, `node_logits`). Refused: logprobs of the whole vocabulary (-1), logprob_token_ids, structured
-outputs (no grammar state per tree node yet), thinking budgets and watermarking; vLLM 0.32 itself
-refuses min_p and logit_bias under any speculative method (and builds no processor for them).
-Such requests are refused at admission (`check_request`, called from vLLM's request validation: the
-caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and the engine
-keeps serving the other requests), never served with the options ignored.
+(each emitted token's from its node's logits row), the options that depend on the tokens generated
+so far: presence / frequency / repetition penalties, min_tokens, bad_words and allowed_token_ids
+(every tree node is processed with its own history: the committed output plus its path,
+`node_logits`), min_p and logit_bias (vLLM 0.32 refuses both under any speculative method; a declared
+patch lifts that for 'ddtree' engines), and structured outputs (JSON schema, JSON object, regex,
+choice, grammar, structural tag) with the xgrammar or guidance backend (every tree node masked by the
+grammar state after its path, `node_grammar`). Refused: logprobs of the whole vocabulary (-1),
+logprob_token_ids, structured outputs with another backend (outlines, lm-format-enforcer: not tested
+under trees) or under a reasoning parser without `enable_in_reasoning` (vLLM starts such a grammar
+where the reasoning ends, which the runner's grammars do not track), thinking budgets and
+watermarking. Such requests are refused at admission (`check_request`, called from vLLM's request
+validation: the caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline,
+and the engine keeps serving the other requests), never served with the options ignored.
 """
 
 from __future__ import annotations
@@ -19,28 +23,41 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
+SERVED_BACKENDS = ("xgrammar", "guidance")
+"""The structured-output backends method 'ddtree' serves (`node_grammar.BACKENDS` builds them)."""
+
 
 class UnsupportedRequestError(VLLMValidationError, ValueError):
     """A request option method 'ddtree' cannot honour: vLLM's request-validation error (HTTP 400 when
     serving) that is also a ValueError (what an offline caller expects of invalid parameters)."""
 
 
-def unsupported_options(params: Any) -> list[str]:
-    """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support."""
+def unsupported_options(params: Any, structured_outputs_config: Any = None) -> list[str]:
+    """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support, once vLLM
+    validated it (which resolves the structured-output backend); structured_outputs_config: the
+    engine's (vLLM's `StructuredOutputsConfig`; None: no reasoning parser)."""
+    structured = params.structured_outputs
+    backend = None if structured is None else structured._backend
+    reasoning = structured_outputs_config is not None and bool(structured_outputs_config.reasoning_parser)
     checks = {
         "logprobs=-1 (the whole vocabulary)": params.logprobs is not None and params.logprobs < 0,
         "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
         "prompt_logprob_token_ids": getattr(params, "prompt_logprob_token_ids", None) is not None,
-        "structured outputs": params.structured_outputs is not None,
+        f"structured outputs with the {backend!r} backend (served: {', '.join(SERVED_BACKENDS)})": (
+            structured is not None and backend is not None and backend not in SERVED_BACKENDS
+        ),
+        "structured outputs under a reasoning_parser (without enable_in_reasoning)": (
+            structured is not None and reasoning and not structured_outputs_config.enable_in_reasoning
+        ),
         "thinking_token_budget": params.thinking_token_budget is not None,
         "watermarking": bool(params.watermarking),
     }
     return [name for name, present in checks.items() if present]
 
 
-def check_request(params: Any) -> None:
+def check_request(params: Any, structured_outputs_config: Any = None) -> None:
     """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support."""
-    found = unsupported_options(params)
+    found = unsupported_options(params, structured_outputs_config)
     if found:
         raise UnsupportedRequestError(
             f"method 'ddtree' does not support {', '.join(found)}; "

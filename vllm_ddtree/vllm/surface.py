@@ -182,6 +182,24 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads(_CPU_WORKER, "device", "the device the replacement runner is built on", created_in="init_device"),
     *_reads("vllm.v1.worker.worker_base.WorkerBase", "vllm_config", "the config the replacement runner is built with"),
     *_reads("vllm.v1.engine.input_processor.InputProcessor", "vllm_config", "the admission patch finds method 'ddtree' in it"),
+    # ---- structured outputs (node_grammar.py, support.py, the scheduler patches) ---------------------------------
+    *_reads("vllm.v1.engine.input_processor.InputProcessor", "structured_outputs_config", "admission refuses structured outputs under a reasoning parser"),
+    *_reads("vllm.config.structured_outputs.StructuredOutputsConfig", "backend reasoning_parser enable_in_reasoning", "the backend of a request vLLM did not resolve; structured outputs under a reasoning parser are refused", created_in=None),
+    *_reads("vllm.sampling_params.StructuredOutputsParams", "_backend", "the backend vLLM resolved for the request (the runner compiles its node grammars with it)", created_in=None),
+    *_reads("vllm.sampling_params.SamplingParams", "structured_outputs all_stop_token_ids", "a structured request's grammar and its stop ids, as vLLM's manager compiles it", created_in=None),
+    *_reads(_GPU_RUNNER, "requests", "each request's sampling params and committed output, which the node grammars catch up with"),
+    *_reads("vllm.v1.worker.gpu_input_batch.CachedRequestState", "sampling_params output_token_ids", "a request's grammar params and committed output", created_in=None),
+    *_reads("vllm.v1.core.sched.scheduler.Scheduler", "vllm_config", "the structured-output patches act on 'ddtree' engines only"),
+    *_reads("vllm.v1.structured_output.StructuredOutputManager", "vllm_config", "the structured-output patches act on 'ddtree' engines only"),
+    VLLMMember("vllm.v1.structured_output.backend_xgrammar.XgrammarBackend", "__init__", "read-method", "the runner's grammar backend, built as vLLM's manager builds it", params=("vllm_config", "tokenizer", "vocab_size")),
+    VLLMMember("vllm.v1.structured_output.backend_guidance.GuidanceBackend", "__init__", "read-method", "the runner's grammar backend, built as vLLM's manager builds it", params=("vllm_config", "tokenizer", "vocab_size")),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputBackend", "compile_grammar", "read-method", "a request's grammar, compiled as vLLM's manager compiles it", params=("request_type", "grammar_spec", "stop_token_ids")),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputBackend", "allocate_token_bitmask", "read-method", "the bitmask rows of a request's tree nodes", params=("max_num_seqs",)),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "accept_tokens", "read-method", "catch-up with committed tokens; entering a tree node", params=("request_id", "tokens")),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "rollback", "read-method", "leaving a tree node in the depth-first walk", params=("num_tokens",)),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "fill_bitmask", "read-method", "a tree node's bitmask", params=("bitmask", "batch_index")),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "is_terminated", "read-method", "no masks below a node that ended the grammar", params=()),
+    VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "reset", "read-method", "start over if a request's committed output ever shrinks", params=()),
 )
 
 

@@ -1,0 +1,176 @@
+"""Structured outputs at every tree node: each node's logits masked by the grammar state after its path.
+
+Plain decoding masks the logits of the token after the committed output with the bitmask of the
+grammar state that output reached (vLLM's `StructuredOutputManager.grammar_bitmask`, applied in place by
+`apply_grammar_bitmask` before sampling). Tree node i sits where plain decoding would be after the
+committed output and then the node's path (its ancestors at depths 1..d and itself), so its logits row
+is masked with the bitmask of the state after output + path(i). Every later stage (history-dependent
+options, sampling, logprobs) then reads the masked row, as plain decoding's sampler reads its masked
+logits.
+
+vLLM's scheduler knows drafts only as flat token lists, so it cannot compute per-node masks (it would
+walk a tree's node list as one chain); the trees live in the runner. So the runner keeps its own grammar
+per structured request (`NodeGrammars`), compiled by vLLM's own backend class (the one vLLM chose for
+the request, `StructuredOutputsParams._backend`) from the request's structured-output key, the model's
+tokenizer and the request's stop ids, exactly as `StructuredOutputManager._create_grammar` compiles the
+scheduler's. Before each step it catches up with the request's committed output (the runner's
+`CachedRequestState.output_token_ids`, so it holds in every executor and on every TP rank, and after
+preemption); then one depth-first walk per tree fills every node's bitmask: a child is entered only
+when its parent's bitmask allows its token (then it is accepted, its subtree filled, and rolled back).
+Nodes the walk does not enter (their own token is forbidden, or an ancestor is a stop token that ended
+the grammar) are never accepted by the acceptance walk (their parent's target token, drawn from masked
+logits, cannot be their token), so their logits are left unmasked (finite, no NaN), as vLLM leaves a
+terminated grammar's rows. The scheduler's grammar still advances with the committed tokens after each
+step (vLLM's `update_from_output`), unchanged.
+
+Invariant: a grammar's state between steps is the state after the request's committed output
+(`_RequestGrammar.consumed` tokens of it); the walk returns it there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.tokenizers import cached_tokenizer_from_config
+from vllm.v1.structured_output.backend_guidance import GuidanceBackend
+from vllm.v1.structured_output.backend_types import StructuredOutputBackend, StructuredOutputGrammar
+from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+from vllm.v1.structured_output.request import get_structured_output_key
+
+from vllm_ddtree.vllm.tree_step import TreeStep
+
+logger = logging.getLogger("vllm.ddtree")
+
+BACKENDS: dict[str, type[StructuredOutputBackend]] = {"xgrammar": XgrammarBackend, "guidance": GuidanceBackend}
+"""The structured-output backends method 'ddtree' serves (tested); requests vLLM resolves to another
+backend are refused at admission (`support.py`)."""
+
+
+@dataclass
+class _RequestGrammar:
+    """One request's grammar; consumed: how many of its output tokens the grammar has accepted; broken:
+    the grammar rejected a committed token (never expected: every emitted token was masked), so its
+    nodes are left unmasked and vLLM's scheduler, whose grammar rejects the same token, ends the request."""
+
+    grammar: StructuredOutputGrammar
+    backend: StructuredOutputBackend
+    consumed: int = 0
+    broken: bool = False
+
+
+class NodeGrammars:
+    """The runner's grammars of the structured requests it serves, by request id."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self._vllm_config = vllm_config
+        self._backends: dict[str, StructuredOutputBackend] = {}
+        self._grammars: dict[str, _RequestGrammar] = {}
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._grammars.pop(req_id, None)
+
+    def mask_(self, logits: torch.Tensor, step: TreeStep, req_ids: list[str], requests: dict[str, Any]) -> None:
+        """Mask in place the logits rows [rows, V] of every node of every structured request of the
+        step (`step.node_logit_rows()`), each with the bitmask of the grammar state after the committed
+        output and the node's path. req_ids [R]: the batch's requests in order; requests: the runner's
+        `CachedRequestState` by id. A batch without structured requests costs one pass over req_ids."""
+        rows: list[int] = []
+        masks: list[torch.Tensor] = []
+        node_rows = None
+        for index, req_id in enumerate(req_ids):
+            state = requests[req_id]
+            params = state.sampling_params
+            if params is None or params.structured_outputs is None:
+                continue
+            entry = self._caught_up(req_id, params, state.output_token_ids)
+            if entry is None:
+                continue
+            if node_rows is None:
+                node_rows = step.node_logit_rows()
+            count = int(step.tree.num_nodes[index])
+            masks.append(_node_bitmasks(req_id, entry, step, index, count))
+            rows += node_rows[index, :count].tolist()
+        if rows:
+            _apply_bitmask_(logits, torch.cat(masks), torch.tensor(rows))
+
+    def _caught_up(self, req_id: str, params: Any, output: list[int]) -> _RequestGrammar | None:
+        """The request's grammar at the state after `output` (compiled on first use), None if broken."""
+        entry = self._grammars.get(req_id)
+        if entry is None:
+            entry = self._grammars[req_id] = self._compile(params)
+        if entry.broken:
+            return None
+        if entry.consumed > len(output):  # never expected (committed tokens stay): start over
+            entry.grammar.reset()
+            entry.consumed = 0
+        if entry.consumed < len(output):
+            new = list(output[entry.consumed :])
+            entry.consumed = len(output)
+            if not entry.grammar.accept_tokens(req_id, new):
+                logger.error("method 'ddtree': the grammar of request %s rejected committed tokens %s", req_id, new)
+                entry.broken = True
+                return None
+        return entry
+
+    def _compile(self, params: Any) -> _RequestGrammar:
+        """The request's grammar, compiled as `StructuredOutputManager._create_grammar` compiles it."""
+        name = params.structured_outputs._backend or self._vllm_config.structured_outputs_config.backend
+        backend = self._backends.get(name)
+        if backend is None:
+            model_config = self._vllm_config.model_config
+            backend = self._backends[name] = BACKENDS[name](
+                self._vllm_config,
+                tokenizer=cached_tokenizer_from_config(model_config=model_config),
+                vocab_size=model_config.get_vocab_size(),
+            )
+        request_type, spec = get_structured_output_key(params.structured_outputs)
+        grammar = backend.compile_grammar(request_type, spec, stop_token_ids=params.all_stop_token_ids)
+        return _RequestGrammar(grammar, backend)
+
+
+def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: int, count: int) -> torch.Tensor:
+    """[count, W] int32 bitmask of each of request `index`'s first `count` nodes (all bits set where
+    unconstrained). Depth-first from the root (the committed state); the grammar ends where it started."""
+    grammar = entry.grammar
+    bitmask = entry.backend.allocate_token_bitmask(count)
+    bitmask.fill_(-1)
+    tree = step.tree
+    parents, tokens = tree.parents[index, :count].tolist(), tree.token_ids[index, :count].tolist()
+    children: list[list[int]] = [[] for _ in range(count)]
+    for node in range(1, count):
+        children[parents[node]].append(node)
+
+    def fill(node: int) -> None:
+        if grammar.is_terminated():
+            return
+        grammar.fill_bitmask(bitmask, node)
+        for child in children[node]:
+            if _allows(bitmask[node], tokens[child]) and grammar.accept_tokens(req_id, [tokens[child]]):
+                fill(child)
+                grammar.rollback(1)
+
+    fill(0)
+    return bitmask
+
+
+def _allows(bitmask_row: torch.Tensor, token: int) -> bool:
+    """Whether a packed int32 bitmask row (bit t of word t // 32) allows token t."""
+    return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
+
+
+def _apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """logits[rows[j], t] = -inf wherever bit t of bitmask[j] is clear (t below the bitmask's width and
+    the logits' vocabulary), as xgrammar's `apply_token_bitmask_inplace` does."""
+    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    device = logits.device
+    rows = rows.to(device)
+    selected = logits.index_select(0, rows)
+    selected[:, :vocab].masked_fill_(~allowed.to(device), float("-inf"))
+    logits.index_copy_(0, rows, selected)
