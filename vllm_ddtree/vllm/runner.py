@@ -33,6 +33,7 @@ from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, Mi
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.sampling import emitted_logprob_values, gather_node_logits, sample_nodes, tree_sampling_params
@@ -66,6 +67,7 @@ class DDTreeRunnerMixin:
         self.drafter = DDTreeProposer(vllm_config, device, self, ddtree, self.stage_times)
         self.step: TreeStep | None = None
         self._proposals = Proposals()
+        self.node_grammars = NodeGrammars(vllm_config)
         self.clock: StepClock | None = None
         self.num_chain_fallbacks = 0
         self._serve_min_p_and_logit_bias()
@@ -168,6 +170,7 @@ class DDTreeRunnerMixin:
         root_rows = self.query_start_loc.np[1 : num_reqs + 1] - 1 - num_drafts
         starts = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs] - 1 - num_drafts
         self._proposals.drop(scheduler_output.finished_req_ids)
+        self.node_grammars.drop(scheduler_output.finished_req_ids)
         step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, self._proposals)
         if step.num_chain_fallbacks:
             self.num_chain_fallbacks += step.num_chain_fallbacks
@@ -194,8 +197,9 @@ class DDTreeRunnerMixin:
 
     @override
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
-        """The target's token at every node of every request (the core's rule), the acceptance walk,
-        and KV compaction. Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens,
+        """The target's token at every node of every request (the core's rule; a structured request's
+        node rows first masked in place by the grammar state after the node's path, `node_grammar`,
+        as vLLM masks plain decoding's logits before sampling), the acceptance walk, and KV compaction. Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens,
         max_tokens, detokenization and the spec-decode metrics need nothing new.
 
         Under tensor parallelism every rank builds its trees from TP rank 0's draft top-k (`proposer`)
@@ -205,6 +209,7 @@ class DDTreeRunnerMixin:
         step = self.step
         assert step is not None and logits is not None
         with self.stage_times.stage(ACCEPTANCE):
+            self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
             processed = self._sample_nodes(logits, step)
             output = self._walk(step)
             logprobs = self._emitted_logprobs(logits, processed, step, output)
