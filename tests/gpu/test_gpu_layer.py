@@ -48,6 +48,17 @@ def test_kv_sharing_layers_move_their_shared_cache_once():
     assert torch.equal(cache, expected)
 
 
+def test_the_step_slots_are_the_block_tables_device_slot_mapping():
+    slot_mapping = SimpleNamespace(cpu=torch.zeros(4), gpu=torch.arange(4))
+    runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=slot_mapping)]))
+    assert DDTreeGPUModelRunner._step_slot_mapping(runner) is slot_mapping.gpu
+
+
+def test_a_target_layer_with_our_triton_impl_is_accepted():
+    impl = DDTreeTritonAttentionImpl(4, HEAD_SIZE, HEAD_SIZE**-0.5, 2, None, None, "auto")
+    DDTreeGPUModelRunner._check_target_attention(None, SimpleNamespace(impl=impl))
+
+
 def test_target_attention_other_than_our_triton_impl_is_refused():
     layer = SimpleNamespace(impl=object())
     with pytest.raises(NotImplementedError, match="needs vLLM's TRITON_ATTN attention backend"):
@@ -72,9 +83,8 @@ def test_layer_options_the_tree_rows_cannot_reproduce_are_refused(options: dict,
         impl.check_tree_support()
 
 
-def test_a_plain_decoder_layer_is_accepted_and_never_fuses_output_quantization():
+def test_our_impl_never_fuses_output_quantization():
     impl = DDTreeTritonAttentionImpl(4, HEAD_SIZE, HEAD_SIZE**-0.5, 2, None, None, "auto")
-    impl.check_tree_support()
     assert impl.fused_output_quant_supported(None) is False
 
 

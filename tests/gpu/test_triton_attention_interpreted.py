@@ -33,7 +33,8 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl  # noqa: 
 
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference  # noqa: E402
 from vllm_ddtree.vllm.tree_step import TreeRows  # noqa: E402
-from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers, is_uniform  # noqa: E402
+from vllm_ddtree.vllm.gpu_runner import DDTreeGPUModelRunner  # noqa: E402
+from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers  # noqa: E402
 from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeTritonAttentionMetadata  # noqa: E402
 
 HEAD_SIZE, BLOCK_SIZE, SEGMENTS = 32, 16, 16
@@ -184,13 +185,15 @@ def run(impl_cls: type[TritonAttentionImpl], batch: Batch, attn_metadata: DDTree
 
 
 def attach(batch: Batch, buffers: TreeVerifyBuffers) -> DDTreeTritonAttentionMetadata:
-    """What the GPU runner's `_attach_tree_attention` does with this batch's metadata."""
+    """The GPU runner's `_attach_tree_attention` on this batch's metadata (shared by two layers, as
+    vLLM shares one metadata object across an attention group)."""
     attn_metadata = metadata(batch, buffers)
     width = max(r.query_len for r in batch.requests if r.parents is not None)
-    rows = tree_rows(batch, width)
-    num_real = len(batch.requests)
-    uniform = is_uniform(batch.query_start_loc[: num_real + 1].numpy(), width, batch.seq_lens.shape[0], batch.query.shape[0])
-    attn_metadata.tree = buffers.fill(rows, attn_metadata.seq_lens, attn_metadata.block_table, uniform)
+    runner = SimpleNamespace(
+        query_start_loc=SimpleNamespace(np=batch.query_start_loc.numpy()),
+        input_batch=SimpleNamespace(num_reqs=len(batch.requests)),
+    )
+    DDTreeGPUModelRunner._attach_tree_attention(runner, {"layers.0.attn": attn_metadata, "layers.1.attn": attn_metadata}, tree_rows(batch, width))
     return attn_metadata
 
 
