@@ -68,18 +68,21 @@ def _meets(kind: str, text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def valid(pair_dirs):
-    """valid(kind, (text, token_ids, finish_reason)): a fresh grammar of the kind (the engines' settings)
-    accepts every token; an output that stopped also ended the grammar and meets `_meets`; one cut by
-    max_tokens is a grammar prefix."""
+    return grammar_checker(pair_dirs["trained"][0], disable_any_whitespace=True)
+
+
+def grammar_checker(target: str, disable_any_whitespace: bool):
+    """check(kind, (text, token_ids, finish_reason)): a fresh xgrammar grammar of the kind (an engine's
+    settings) accepts every token; an output that stopped also ended the grammar and meets `_meets`;
+    one cut by max_tokens is a grammar prefix."""
     from transformers import AutoTokenizer
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.structured_output.request import get_structured_output_key
     from vllm.v1.structured_output.utils import choice_as_grammar
 
-    target, _ = pair_dirs["trained"]
     tokenizer = AutoTokenizer.from_pretrained(target)
-    backend = XgrammarBackend(_fake_vllm_config(0, disable_any_whitespace=True), tokenizer=tokenizer, vocab_size=VOCAB)
+    backend = XgrammarBackend(_fake_vllm_config(0, disable_any_whitespace), tokenizer=tokenizer, vocab_size=VOCAB)
     kinds = {**_kinds(), "choice": StructuredOutputsParams(grammar=choice_as_grammar(CHOICES))}  # as vLLM's admission rewrites it
 
     def check(kind: str, output: tuple) -> bool:
