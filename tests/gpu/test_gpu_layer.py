@@ -18,6 +18,7 @@ from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers, is_uniform
 from vllm_ddtree.vllm.triton_attention import (
+    DDTreeTritonAttentionBackend,
     DDTreeTritonAttentionImpl,
     DDTreeTritonAttentionMetadata,
     DDTreeTritonAttentionMetadataBuilder,
@@ -46,6 +47,12 @@ def test_kv_sharing_layers_move_their_shared_cache_once():
     runner = SimpleNamespace(_target_attention_layers=lambda: layers)
     DDTreeGPUModelRunner._move_kv_rows(runner, torch.tensor([2, 5]), torch.tensor([1, 2]))
     assert torch.equal(cache, expected)
+
+
+def test_our_backend_stands_in_for_triton_attn_with_our_impl_and_builder():
+    assert DDTreeTritonAttentionBackend.get_name() == "TRITON_ATTN"
+    assert DDTreeTritonAttentionBackend.get_impl_cls() is DDTreeTritonAttentionImpl
+    assert DDTreeTritonAttentionBackend.get_builder_cls() is DDTreeTritonAttentionMetadataBuilder
 
 
 def test_the_step_slots_are_the_block_tables_device_slot_mapping():
