@@ -12,6 +12,7 @@ every step; with it: 3.6 and 3.9).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, heldout_code_prompts, record_verified_steps
 from tests.e2e.scripted_budget import ScriptedBudget
@@ -44,6 +45,7 @@ def script_runs(pair_dirs):
         return sample_draft(*args, **kwargs)
 
     runner.drafter._sample_draft_tokens = counting_sample_draft
+    context_layouts = _check_context_layouts(runner.drafter)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = {}
     try:
@@ -51,6 +53,7 @@ def script_runs(pair_dirs):
             runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), script))
             steps.clear()
             draft_heads.clear()
+            context_layouts.clear()
             outputs = llm.generate(heldout_code_prompts(), params, use_tqdm=False)
             assert runner.num_chain_fallbacks == 0
             accepted = [int(n) for step in steps for n in step.acceptance.num_accepted]
@@ -58,10 +61,48 @@ def script_runs(pair_dirs):
                 "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
                 "tokens_per_verify_step": sum(accepted) / len(accepted) if accepted else None,
                 "draft_passes": len(draft_heads),
+                "context_layouts_equal": list(context_layouts),
             }
     finally:
         llm.llm_engine.engine_core.shutdown()
     return runs
+
+
+def _check_context_layouts(drafter) -> list[bool]:
+    """Per off step that verified no drafts: whether the context positions and KV slots it stored
+    (the target's own) equal the layout `set_inputs_first_pass` computes for the same rows (the full
+    draft pass's, run here after the step for comparison only)."""
+    stored, results = [], []
+    store = drafter.model.precompute_and_store_context_kv
+
+    def recording_store(states, positions, slots):
+        stored.append((positions.clone(), slots.clone()))
+        return store(states, positions, slots)
+
+    store_only = drafter._store_context_only
+
+    def checking_store_only(depth, **kw):
+        store_only(depth, **kw)
+        if kw.get("num_rejected_tokens_gpu") is None:
+            positions, slots = stored[-1]
+            drafter.set_inputs_first_pass(
+                target_token_ids=kw["target_token_ids"], next_token_ids=kw["next_token_ids"],
+                target_positions=kw["target_positions"], target_hidden_states=kw["target_hidden_states"],
+                token_indices_to_sample=kw["token_indices_to_sample"], cad=kw["common_attn_metadata"], num_rejected_tokens_gpu=None,
+            )
+            n = positions.shape[0]
+            results.append(bool(torch.equal(positions, drafter._context_positions_buffer[:n])
+                                and torch.equal(slots, drafter._context_slot_mapping_buffer[:n])))
+
+    drafter.model.precompute_and_store_context_kv = recording_store
+    drafter._store_context_only = checking_store_only
+    return results
+
+
+def test_off_steps_store_the_context_where_a_full_draft_pass_would(script_runs):
+    for name in ("off", "3 off, tree"):
+        layouts = script_runs[name]["context_layouts_equal"]
+        assert layouts and all(layouts), name
 
 
 def test_off_steps_do_not_run_the_draft_block_pass(script_runs):

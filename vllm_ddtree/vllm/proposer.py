@@ -88,26 +88,33 @@ class DDTreeProposer(DFlashProposer):
     ) -> None:
         """A step without speculation: only what the draft needs to resume. DFlash keeps the committed
         tokens' context as K/V computed from the target's hidden states (KV injection); store them for
-        the tokens the target just computed, exactly as the first part of a full draft pass does
-        (`set_inputs_first_pass` lays out the context positions and slots), and skip the rest: no pass
-        over the mask block, no draft LM head, no top-k."""
+        the tokens the target just computed, exactly as the first part of a full draft pass does, and
+        skip the rest: no pass over the mask block, no draft LM head, no top-k.
+
+        Context rows and where they go: when this step verified no drafts (`num_rejected_tokens_gpu`
+        None), every target row is context, at its own position and KV slot (target and draft share
+        one KV cache group, hence one block table), so the target's positions and slot mapping serve
+        as they are. After a verify step, `set_inputs_first_pass` lays them out (rejected nodes get no
+        slot), as in a full draft pass."""
         self.num_speculative_tokens = depth
         hidden_states = self.model.combine_hidden_states(target_hidden_states)
         num_context = hidden_states.shape[0]
-        self.set_inputs_first_pass(
-            target_token_ids=target_token_ids,
-            next_token_ids=next_token_ids,
-            target_positions=target_positions,
-            target_hidden_states=hidden_states,
-            token_indices_to_sample=token_indices_to_sample,
-            cad=common_attn_metadata,
-            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-        )
-        self.model.precompute_and_store_context_kv(
-            hidden_states,
-            self._context_positions_buffer[:num_context],
-            self._context_slot_mapping_buffer[:num_context],
-        )
+        if num_rejected_tokens_gpu is None:
+            positions = target_positions[:num_context]
+            slots = common_attn_metadata.slot_mapping[:num_context]
+        else:
+            self.set_inputs_first_pass(
+                target_token_ids=target_token_ids,
+                next_token_ids=next_token_ids,
+                target_positions=target_positions,
+                target_hidden_states=hidden_states,
+                token_indices_to_sample=token_indices_to_sample,
+                cad=common_attn_metadata,
+                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+            )
+            positions = self._context_positions_buffer[:num_context]
+            slots = self._context_slot_mapping_buffer[:num_context]
+        self.model.precompute_and_store_context_kv(hidden_states, positions, slots)
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:

@@ -325,6 +325,10 @@ class DDTreeRunnerMixin:
         if step is not None and aux_hidden_states is not None:
             with self.stage_times.stage(KV_COMPACTION):
                 aux_hidden_states = self._path_first(step, aux_hidden_states)
+        if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):
+            # No request verified drafts (steps the budget policy ran without speculation): every row is
+            # context at its own position and KV slot, vLLM's layout for a step without drafts.
+            spec_decode_metadata = None
         drafts = super().propose_draft_token_ids(
             scheduler_output,
             sampled_token_ids,
