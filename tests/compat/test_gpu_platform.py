@@ -1,0 +1,89 @@
+"""On a CUDA platform, method 'ddtree' rewrites an engine into what the GPU layer runs (our GPU worker,
+vLLM's V1 runner, TRITON_ATTN for target and draft, no async scheduling), and refuses clearly what it
+cannot run there. GPU vLLM cannot run on this machine: the platform is a stand-in object with the
+`current_platform` methods the rewrite asks, and the rewrite runs on an EngineArgs (no engine).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+
+from vllm_ddtree.demo import demo_pair_paths  # noqa: E402
+from vllm_ddtree.vllm.config import GPU_WORKER_CLS, rewrite_engine_args  # noqa: E402
+
+CUDA = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True, device_name="cuda")
+TPU = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: False, device_name="tpu")
+
+
+def _args(**kwargs) -> EngineArgs:
+    target, draft = demo_pair_paths()
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 8}
+    return EngineArgs(model=target, speculative_config=spec, **kwargs)
+
+
+def _rewrite_on(platform: SimpleNamespace, args: EngineArgs) -> None:
+    with mock.patch("vllm.platforms._current_platform", platform):
+        rewrite_engine_args(args)
+
+
+@pytest.fixture
+def clean_runner_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+
+
+def test_cuda_engine_runs_our_gpu_worker_on_v1_with_triton_attention(clean_runner_env: None) -> None:
+    args = _args()
+    _rewrite_on(CUDA, args)
+    assert args.worker_cls == GPU_WORKER_CLS
+    assert args.async_scheduling is False
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert args.attention_backend == "TRITON_ATTN"
+    assert args.speculative_config["attention_backend"] == "TRITON_ATTN"
+    assert args.speculative_config["method"] == "dflash"
+
+
+def test_cuda_engine_accepts_triton_attention_chosen_by_the_user(clean_runner_env: None) -> None:
+    args = _args(attention_backend="TRITON_ATTN")
+    _rewrite_on(CUDA, args)
+    assert args.attention_backend == "TRITON_ATTN"
+
+
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+def test_cuda_engine_refuses_another_attention_backend(clean_runner_env: None, backend: str) -> None:
+    with pytest.raises(ValueError, match=rf"TRITON_ATTN .* but --attention-backend is '{backend}'; drop it"):
+        _rewrite_on(CUDA, _args(attention_backend=backend))
+
+
+def test_cuda_engine_refuses_the_v2_runner_asked_by_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="needs vLLM's V1 model runner.*set it to 0"):
+        _rewrite_on(CUDA, _args())
+
+
+def test_cuda_engine_refuses_the_cpu_worker(clean_runner_env: None) -> None:
+    with pytest.raises(ValueError, match=rf"installs its own worker \({GPU_WORKER_CLS}\)"):
+        _rewrite_on(CUDA, _args(worker_cls="vllm_ddtree.vllm.worker.DDTreeCPUWorker"))
+
+
+def test_other_platforms_are_refused_with_the_alternative(clean_runner_env: None) -> None:
+    with pytest.raises(ValueError, match="runs on vLLM's CPU and CUDA platforms, not on 'tpu'; use method 'dflash' there"):
+        _rewrite_on(TPU, _args())
+
+
+def test_gpu_worker_builds_our_runner_and_refuses_v2() -> None:
+    from vllm_ddtree.vllm import gpu_worker
+
+    worker = SimpleNamespace(use_v2_model_runner=False, vllm_config="config", device="cuda:0")
+    with mock.patch.object(gpu_worker, "DDTreeGPUModelRunner", side_effect=lambda config, device: (config, device)):
+        assert gpu_worker.DDTreeGPUWorker._make_model_runner(worker) == ("config", "cuda:0")
+        worker.use_v2_model_runner = True
+        with pytest.raises(ValueError, match="V1 model runner"):
+            gpu_worker.DDTreeGPUWorker._make_model_runner(worker)
