@@ -178,13 +178,15 @@ class DDTreeRunnerMixin:
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
         self._set_positions(*step.tree_positions())
         slot_mapping = self._step_slot_mapping()
-        step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device)]
+        step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)]
         return step
 
     def _set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        """Overwrite the RoPE positions of batch `rows` (host tensors) in the runner's device buffer."""
+        """Overwrite the RoPE positions of batch `rows` (host tensors) in the runner's device buffer.
+        (Host-to-device copies without blocking: the host data is staged before the call returns, and a
+        blocking copy would wait for the device, a host sync every step on a GPU.)"""
         device = self.positions.device
-        self.positions[rows.to(device)] = positions.to(device, self.positions.dtype)
+        self.positions[rows.to(device, non_blocking=True)] = positions.to(device, self.positions.dtype, non_blocking=True)
 
     @override
     def _build_attention_metadata(self, *args: Any, **kwargs: Any) -> Any:
