@@ -1,13 +1,15 @@
 """Structured outputs under method 'ddtree': every tree node masked by the grammar state after its path.
 
 Offline, on the embedded trained pair (structured outputs need its tokenizer) with held-out code as
-text prompts, xgrammar (vLLM's default backend), budget 16. One plain engine and one ddtree engine
-(the plain one first: `engine_runs` rule) serve the same script: one `generate` call per grammar kind
-(JSON schema, JSON object, regex, choice, EBNF grammar), greedy, then one mixed batch (every kind, an
-unconstrained request, a regex request with logprobs, and seeded sampled requests of every kind).
+text prompts, budget 16, once per backend method 'ddtree' serves (xgrammar, vLLM's default, and
+guidance). Per backend, one plain engine and one ddtree engine (the plain one first: `engine_runs`
+rule) serve the same script: one `generate` call per grammar kind (JSON schema, JSON object, regex,
+choice, EBNF grammar), greedy, then one mixed batch (every kind, an unconstrained request, a regex
+request with logprobs, a penalised request with logprobs, and seeded sampled requests of every kind).
 Checked: greedy tokens equal plain decoding's under the same grammar, every output is valid, the
-logprobs of a grammar-masked request equal plain decoding's, and trees still accept more than one
-token per step where the draft is informative (each kind's tokens per step are printed; `-s`).
+logprobs of a grammar-masked request and of a penalised one equal plain decoding's, and trees still
+accept more than one token per step where the draft is informative (each kind's tokens per step are
+printed; `-s`).
 
 The runner's per-node masks are also checked without an engine: every node's bitmask equals the
 bitmask of a fresh grammar fed the node's path (`test_node_bitmasks_equal_the_grammar_after_each_path`).
@@ -26,6 +28,8 @@ from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
 BUDGET = 16
 MAX_TOKENS = 128
 NUM_PROMPTS = 4
+BACKENDS = ["xgrammar", "guidance"]  # the backends method 'ddtree' serves (`support.SERVED_BACKENDS`)
+PENALTIES = {"presence_penalty": 0.8, "repetition_penalty": 1.3, "ignore_eos": True}
 VOCAB = 4097  # the trained pair's
 SCHEMA = {
     "type": "object",
@@ -67,27 +71,30 @@ def _meets(kind: str, text: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def valid(pair_dirs):
-    return grammar_checker(pair_dirs["trained"][0], disable_any_whitespace=True)
+def valid(pair_dirs, served):
+    return grammar_checker(pair_dirs["trained"][0], disable_any_whitespace=True, backend=served["backend"])
 
 
-def grammar_checker(target: str, disable_any_whitespace: bool):
-    """check(kind, (text, token_ids, finish_reason)): a fresh xgrammar grammar of the kind (an engine's
-    settings) accepts every token; an output that stopped also ended the grammar and meets `_meets`;
-    one cut by max_tokens is a grammar prefix."""
+def grammar_checker(target: str, disable_any_whitespace: bool, backend: str = "xgrammar"):
+    """check(kind, (text, token_ids, finish_reason)): a fresh grammar of the kind, compiled by vLLM's
+    `backend` class with an engine's settings, accepts every token; an output that stopped also ended
+    the grammar and meets `_meets`; one cut by max_tokens is a grammar prefix."""
     from transformers import AutoTokenizer
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.structured_output.request import get_structured_output_key
     from vllm.v1.structured_output.utils import choice_as_grammar
 
+    from vllm_ddtree.vllm.node_grammar import BACKENDS
+
     tokenizer = AutoTokenizer.from_pretrained(target)
-    backend = XgrammarBackend(_fake_vllm_config(0, disable_any_whitespace), tokenizer=tokenizer, vocab_size=VOCAB)
-    kinds = {**_kinds(), "choice": StructuredOutputsParams(grammar=choice_as_grammar(CHOICES))}  # as vLLM's admission rewrites it
+    compiler = BACKENDS[backend](_fake_vllm_config(0, disable_any_whitespace), tokenizer=tokenizer, vocab_size=VOCAB)
+    kinds = _kinds()
+    if backend == "xgrammar":  # as vLLM's admission rewrites a choice for xgrammar
+        kinds["choice"] = StructuredOutputsParams(grammar=choice_as_grammar(CHOICES))
 
     def check(kind: str, output: tuple) -> bool:
         text, token_ids, reason = output
-        grammar = backend.compile_grammar(*get_structured_output_key(kinds[kind]), stop_token_ids={tokenizer.eos_token_id})
+        grammar = compiler.compile_grammar(*get_structured_output_key(kinds[kind]), stop_token_ids={tokenizer.eos_token_id})
         if not grammar.accept_tokens("check", token_ids):
             return False
         return reason == "length" or (reason == "stop" and grammar.is_terminated() and _meets(kind, text))
@@ -120,17 +127,20 @@ def _serve(llm, texts: list[str]) -> dict:
         }
     kinds = _kinds()
     mixed_params = [_greedy(structured) for structured in kinds.values()]
-    mixed_params += [_greedy(None, ignore_eos=True), _greedy(kinds["regex"], logprobs=3)]
+    mixed_params += [_greedy(None, ignore_eos=True), _greedy(kinds["regex"], logprobs=3), _greedy(None, logprobs=3, **PENALTIES)]
     mixed_params += [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=MAX_TOKENS, structured_outputs=s) for i, s in enumerate(kinds.values())]
     mixed_texts = [texts[i % len(texts)] for i in range(len(mixed_params))]
     outs = llm.generate(mixed_texts, mixed_params, use_tqdm=False)
     result["mixed"] = [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
-    result["logprobs"] = [{token: lp.logprob for token, lp in position.items()} for position in outs[len(kinds) + 1].outputs[0].logprobs]
+    result["logprobs"] = {
+        name: [{token: lp.logprob for token, lp in position.items()} for position in outs[len(kinds) + offset].outputs[0].logprobs]
+        for name, offset in (("regex", 1), ("penalties", 2))
+    }
     return result
 
 
-@pytest.fixture(scope="module")
-def served(pair_dirs):
+@pytest.fixture(scope="module", params=BACKENDS)
+def served(pair_dirs, request):
     from vllm import LLM
 
     from vllm_ddtree.demo import heldout_prompts
@@ -143,12 +153,12 @@ def served(pair_dirs):
         llm = LLM(model=target, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                   kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048,
                   max_num_seqs=16, seed=0, speculative_config=config, disable_log_stats=False,
-                  structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
+                  structured_outputs_config={"backend": request.param, "disable_any_whitespace": True})
         try:
             results[name] = _serve(llm, texts)
         finally:
             llm.llm_engine.engine_core.shutdown()
-    return results
+    return {**results, "backend": request.param}
 
 
 @pytest.mark.parametrize("kind", ["json schema", "json object", "regex", "choice", "grammar"])
@@ -162,16 +172,19 @@ def test_greedy_under_a_grammar_equals_plain_decoding_and_is_valid(served, valid
 def test_mixed_batch_equals_plain_decoding_and_samples_are_valid(served, valid):
     kinds = list(_kinds())
     ours, plain = served["ddtree"]["mixed"], served["plain"]["mixed"]
-    greedy = len(kinds) + 2
+    greedy = len(kinds) + 3
     assert ours[:greedy] == plain[:greedy]
     for kind, output in zip(kinds, ours[greedy:]):
         assert valid(kind, output), (kind, output)
     assert ours[len(kinds)][0] != ours[0][0]  # the unconstrained request is not held by a neighbour's grammar
 
 
-def test_logprobs_under_a_grammar_equal_plain_decoding(served):
-    ours, plain = served["ddtree"]["logprobs"], served["plain"]["logprobs"]
-    assert len(ours) == len(plain)
+@pytest.mark.parametrize("request_kind", ["regex", "penalties"])
+def test_logprobs_equal_plain_decoding(served, request_kind):
+    """Raw logprobs (the default mode) of a grammar-masked request (masked logits, as plain decoding
+    reports them) and of a penalised one (its tokens follow the penalties)."""
+    ours, plain = served["ddtree"]["logprobs"][request_kind], served["plain"]["logprobs"][request_kind]
+    assert len(ours) == len(plain) > 0
     for mine, theirs in zip(ours, plain):
         assert mine.keys() == theirs.keys()
         assert all(abs(mine[t] - theirs[t]) < 1e-4 or mine[t] == theirs[t] for t in mine)
@@ -179,14 +192,14 @@ def test_logprobs_under_a_grammar_equal_plain_decoding(served):
 
 def test_trees_still_accept_under_grammars(served):
     per_kind = {kind: round(run["tokens_per_step"], 2) for kind, run in served["ddtree"]["kinds"].items()}
-    print("tokens per step under each grammar kind:", per_kind)
+    print(f"tokens per step under each grammar kind ({served['backend']}):", per_kind)
     assert per_kind["regex"] > 1.3 and per_kind["grammar"] > 1.3
 
 
 def _fake_vllm_config(budget: int, disable_any_whitespace: bool = False):
-    """What vLLM's XgrammarBackend reads of a VllmConfig."""
+    """What vLLM's xgrammar and guidance backends read of a VllmConfig."""
     return SimpleNamespace(
-        structured_outputs_config=SimpleNamespace(disable_any_whitespace=disable_any_whitespace),
+        structured_outputs_config=SimpleNamespace(disable_any_whitespace=disable_any_whitespace, disable_additional_properties=False),
         model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="qwen3")),
         speculative_config=SimpleNamespace(num_speculative_tokens=budget),
     )
