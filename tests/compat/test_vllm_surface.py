@@ -196,7 +196,7 @@ def test_declared_patches_are_applied_and_are_all_of_our_code_in_vllm():
 
     plugin.register()
     our_vllm_subclasses()
-    declared = {(f"{p.owner.__module__}.{p.owner.__qualname__}", p.name) for p in all_patches()}
+    declared = {(p.owner_name, p.name) for p in all_patches()}
     assert all(is_patched(p.owner, p.name) for p in all_patches())
     assert code_of_ours_in_vllm() == declared
     assert {(m.owner, m.name) for m in vllm_surface() if m.kind == "patch"} == declared

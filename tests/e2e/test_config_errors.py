@@ -1,7 +1,7 @@
 """Settings method 'ddtree' cannot serve fail when the engine is built, before any weight is loaded,
 with a message that names the problem and the fix (never a crash deep inside vLLM).
 
-Bad pairs are copies of the random synthetic pair with one config.json field changed; hybrid,
+Bad pairs are copies of the random synthetic pair with one config.json field changed; non-GDN hybrid,
 attention-free and M-RoPE targets are config.json files alone (the check runs on vLLM's configs,
 before weights would be read).
 """
@@ -40,19 +40,19 @@ def _edited_pair(pair: tuple[str, str], out: str, draft: Callable[[dict], None] 
 
 
 def _config_only_target(out: str, kind: str) -> str:
-    """A target dir holding only config.json: a tiny hybrid (Qwen3-Next), Mamba or M-RoPE model that
-    shares the synthetic draft's vocabulary and hidden size."""
-    from transformers import MambaConfig, Qwen3Config, Qwen3NextConfig
+    """A target dir holding only config.json: a tiny Mamba-attention hybrid (Jamba; Gated DeltaNet hybrids
+    are served, `test_hybrid_gdn.py`), Mamba or M-RoPE model that shares the synthetic draft's vocabulary
+    and hidden size."""
+    from transformers import JambaConfig, MambaConfig, Qwen3Config
 
     common = {"vocab_size": VOCAB, "hidden_size": HIDDEN, "num_hidden_layers": 4}
     if kind == "hybrid":
-        config = Qwen3NextConfig(
-            **common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
-            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-            layer_types=["linear_attention", "full_attention"] * 2,
+        config = JambaConfig(
+            **common, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2, mamba_d_state=8,
+            mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
         ).to_dict()
-        config["architectures"] = ["Qwen3NextForCausalLM"]
+        config["architectures"] = ["JambaForCausalLM"]
     elif kind == "mamba":
         config = {**MambaConfig(**common, state_size=8).to_dict(), "architectures": ["MambaForCausalLM"]}
     else:  # M-RoPE: rotary sections over (temporal, height, width) positions, 32 rotary pairs of head_dim 64
@@ -119,7 +119,7 @@ def test_budget_above_the_maximum_fails_at_start(pair_dirs):
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("hybrid", r"does not support hybrid targets .*Qwen3NextForCausalLM"),
+        ("hybrid", r"supports hybrid targets with Gated DeltaNet layers \(Qwen3NextForCausalLM\) but not .*JambaForCausalLM"),
         ("mamba", r"does not support attention-free \(Mamba/SSM\) targets .*MambaForCausalLM"),
         ("mrope", r"does not support targets with M-RoPE"),
     ],

@@ -1,21 +1,33 @@
 """CPU attention with tree masks for the tree-verify requests of a batch (registered over CPU_ATTN).
 
-A batch is first run through vLLM's CPU kernel unchanged. When the runner attached a `TreeAttention`
-to the metadata (target forward of a step that verifies branching trees), the rows of those trees' nodes are then
-recomputed by masked SDPA over the request's K/V read back from the paged cache, and overwrite the
-kernel's (causal, hence wrong) rows: node i attends to the whole committed prefix plus its ancestors and
-itself. Everything else, including prefills, plain decodes and the DFlash draft's non-causal pass
-(whose metadata never carries a tree), is exactly vLLM's CPU_ATTN.
+Every row that is not a branching tree's node is vLLM's CPU kernel unchanged: prefills, plain decodes,
+chains, and the DFlash draft's non-causal pass (whose metadata never carries a tree). A branching tree's
+node i attends to the request's whole committed prefix plus its ancestors and itself; its rows are
+computed here, once:
+- the kernel does not compute them: when the trees' nodes are the whole batch (batch 1) it is not
+  called; otherwise each such request's kernel seq_len is cut to its own rows (`attach_tree`), so the
+  kernel spends a few rows x rows on them, whatever the prefix length, and those rows are overwritten;
+- the request's window (prefix + nodes, whose K/V the cache already holds) is read once, run of
+  consecutive cache blocks by run, through views of the paged cache (`paged_kv.block_run`: no copy for
+  the "vec" layouts). Per run: logits = q k^T, the tree mask added on the window's last blocks only
+  (where the nodes are), the run's softmax and its log-sum-exp; runs merge by log-sum-exp. So the cost
+  beyond the rows x rows part is one read of the window and one q k^T / p v over it.
+vLLM's kernel returns no log-sum-exp (`cpu_attention_with_kv_cache` writes the normalized output only),
+so its prefix attention cannot be merged with a node-to-node part; the prefix goes through the views.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from typing_extensions import override
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -24,30 +36,49 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.vllm.paged_kv import probe_layout, read_blocks
+from vllm_ddtree.vllm.paged_kv import block_run, probe_layout
 from vllm_ddtree.vllm.tree_step import TreeRows
 
 
 @dataclass(frozen=True)
-class TreeAttention:
-    """Tree-verify rows of one batch; T branching requests, N = max nodes, W blocks per window.
+class WindowRun:
+    """Consecutive cache blocks first_block .. first_block + num_blocks - 1 of one request's window, in
+    window order. bias [k, 1, 1, N, block_size]: the additive tree mask (0 / -inf) of the run's last k
+    blocks, those holding nodes or positions past the window (k = 0: prefix blocks, seen by every node),
+    from block `bias_from` = num_blocks - k of the run on."""
 
-    query_rows [T * N]: batch row of node i of request t at t * N + i (padded nodes repeat a valid row
-    and are not written back);
-    block_ids [T, W]: the first W entries of the request's block table, covering prefix + nodes;
-    bias [T, 1, N, L]: 0 where node i attends to position p, -inf elsewhere (never a whole row);
-    L is the longest window (prefix + nodes), at most W * block_size;
+    first_block: int
+    num_blocks: int
+    bias_from: int
+    bias: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TreeAttention:
+    """Tree-verify rows of one batch; T branching requests, N = max nodes.
+
+    query_rows [T * N]: batch row of node i of request t at t * N + i (padded nodes repeat the root's row;
+    their mask is the root's, never written back);
+    runs[t]: request t's window (positions 0 .. start + num_nodes - 1, rounded up to whole blocks) as
+    `WindowRun`s in window order;
     valid_nodes [M]: flat indices t * N + i of the real nodes, whose outputs are written back, and
-    valid_rows [M]: their batch rows (query_rows[valid_nodes]).
+    valid_rows [M]: their batch rows (query_rows[valid_nodes]);
+    first_row: query_rows[0] when query_rows is first_row, first_row + 1, ... (read as a slice), else None;
+    all_valid: no padded nodes (M = T * N).
     Built once per step and shared by all target layers. (Rows move by index_select / index_copy_:
     advanced indexing is ~10x slower on CPU.)
     """
 
     query_rows: torch.Tensor
-    block_ids: torch.Tensor
-    bias: torch.Tensor
+    runs: tuple[tuple[WindowRun, ...], ...]
     valid_nodes: torch.Tensor
     valid_rows: torch.Tensor
+    first_row: int | None
+    all_valid: bool
+
+    @property
+    def num_nodes(self) -> int:
+        return self.query_rows.shape[0] // len(self.runs)
 
     @classmethod
     def build(cls, rows: TreeRows, block_table: torch.Tensor, block_size: int) -> TreeAttention:
@@ -55,31 +86,70 @@ class TreeAttention:
         positions to cache blocks (position p lives in block block_table[p // block_size], row
         p % block_size)."""
         num_req, width = rows.valid.shape
-        window_len = rows.starts + rows.num_nodes
-        longest = int(window_len.max())
-        block_ids = block_table[rows.req_indices][:, : -(-longest // block_size)].long()
-        pos = torch.arange(longest).unsqueeze(0)
-        in_window = pos < window_len.unsqueeze(1)
-        column = pos - rows.starts.unsqueeze(1)  # tree node index of a window position, < 0 in the prefix
-        in_tree = (column >= 0) & in_window
+        starts = rows.starts
+        window_blocks = (starts + rows.num_nodes + block_size - 1) // block_size
+        tail_first = starts // block_size  # first window block holding a node
+        tail_blocks = window_blocks - tail_first
+        # Tail positions of every request, padded to the longest tail: tail_first * block_size + offset.
+        pos = (tail_first * block_size).unsqueeze(1) + torch.arange(int(tail_blocks.max()) * block_size).unsqueeze(0)
+        column = pos - starts.unsqueeze(1)  # node index of a tail position, < 0 in the prefix
+        in_tree = (column >= 0) & (column < rows.num_nodes.unsqueeze(1))
         ancestors = rows.ancestor_mask.gather(2, column.clamp(0, width - 1).unsqueeze(1).expand(-1, width, -1))
         mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
         mask = torch.where(rows.valid.unsqueeze(2), mask, mask[:, :1])
-        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)
+        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # [T, N, tail positions]
+        bias = bias.unflatten(2, (-1, block_size)).permute(0, 2, 1, 3).unsqueeze(2).unsqueeze(2)  # [T, K, 1, 1, N, bs]
+        table = block_table.numpy()
+        runs = []
+        for t, (req, blocks, first_tail) in enumerate(zip(rows.req_indices.tolist(), window_blocks.tolist(), tail_first.tolist())):
+            ids = table[req, :blocks].astype(np.int64)
+            breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+            bounds = [0, *breaks.tolist(), blocks]
+            request_runs = []
+            for lo, hi in zip(bounds[:-1], bounds[1:]):
+                masked = max(0, hi - max(first_tail, lo))  # the run's last blocks that hold nodes
+                end = hi - first_tail
+                request_runs.append(WindowRun(int(ids[lo]), hi - lo, hi - lo - masked, bias[t, end - masked : end] if masked else bias[t, :0]))
+            runs.append(tuple(request_runs))
         query_rows = rows.node_rows.flatten()
         valid_nodes = rows.valid.flatten().nonzero().squeeze(1)
+        first_row = int(query_rows[0])
+        consecutive = bool((query_rows == torch.arange(first_row, first_row + query_rows.numel())).all())
         return cls(
             query_rows=query_rows,
-            block_ids=block_ids,
-            bias=bias,
+            runs=tuple(runs),
             valid_nodes=valid_nodes,
             valid_rows=query_rows.index_select(0, valid_nodes),
+            first_row=first_row if consecutive else None,
+            all_valid=valid_nodes.numel() == query_rows.numel(),
         )
 
 
 @dataclass
 class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
+    """CPU_ATTN's metadata, plus the step's tree (`attach_tree`), whether the kernel runs at all, and how
+    to redo the kernel's schedule for other seq_lens (`reschedule(seq_lens=...)`)."""
+
     tree: TreeAttention | None = None
+    run_kernel: bool = True
+    reschedule: Callable[..., torch.Tensor] | None = None
+
+    def attach_tree(self, tree: TreeAttention, rows: TreeRows) -> None:
+        """Keep the kernel off the tree rows: a branching request whose rows are exactly its nodes gets
+        kernel seq_len = its rows (a causal pass over its first positions; overwritten), and the kernel
+        does not run when those requests are the whole batch."""
+        self.tree = tree
+        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
+        own_rows = query_lens[rows.req_indices] == rows.num_nodes
+        requests = rows.req_indices[own_rows]
+        if int(rows.num_nodes[own_rows].sum()) == self.num_actual_tokens:
+            self.run_kernel = False
+            return
+        if requests.numel() and self.reschedule is not None:
+            seq_lens = self.seq_lens.clone()
+            seq_lens[requests] = query_lens[requests].to(seq_lens.dtype)
+            self.seq_lens = seq_lens
+            self.scheduler_metadata = self.reschedule(seq_lens=seq_lens)
 
 
 class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -88,7 +158,24 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
     ) -> DDTreeCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return DDTreeCPUAttentionMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
+        metadata = DDTreeCPUAttentionMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
+        if not self.is_encoder_only_attention and not self.is_cross_attention:
+            metadata.reschedule = functools.partial(
+                ops.cpu_attn_get_scheduler_metadata,
+                num_reqs=common_attn_metadata.num_reqs,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                query_start_loc=base.query_start_loc,
+                causal=base.causal,
+                sliding_window_size=self.window_size,
+                isa=self.isa,
+                enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+                dynamic_causal=base.dynamic_causal,
+                kv_cache_dtype=self.kv_cache_dtype,
+            )
+        return metadata
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
@@ -105,10 +192,13 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         tree = getattr(attn_metadata, "tree", None)
+        if tree is None or getattr(attn_metadata, "run_kernel", True):
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if tree is not None:
-            self._tree_forward(layer, query, kv_cache, tree, output)
+            layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+            attended = tree_attention(query, kv_cache, tree, layout, self.num_kv_heads, self.scale)
+            output.index_copy_(0, tree.valid_rows, attended.reshape(-1, *output.shape[1:]).to(output.dtype))
         return output
 
     def check_tree_support(self) -> None:
@@ -125,20 +215,58 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if found:
             raise NotImplementedError(f"method 'ddtree' does not support target models with {', '.join(found)}")
 
-    def _tree_forward(
-        self, layer: Any, query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttention, output: torch.Tensor
-    ) -> None:
-        layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-        keys, values = read_blocks(kv_cache, tree.block_ids, layout)
-        window = tree.bias.shape[-1]
-        keys, values = keys[:, :, :window], values[:, :, :window]
-        num_req, _, num_nodes, _ = tree.bias.shape
-        queries = query.index_select(0, tree.query_rows).unflatten(0, (num_req, num_nodes)).transpose(1, 2)
-        attended = F.scaled_dot_product_attention(
-            queries.float(), keys.float(), values.float(), attn_mask=tree.bias, scale=self.scale, enable_gqa=True
-        )
-        attended = attended.transpose(1, 2).flatten(0, 1).index_select(0, tree.valid_nodes)
-        output.index_copy_(0, tree.valid_rows, attended.to(output.dtype))
+
+def tree_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, tree: TreeAttention, layout: Any, num_kv_heads: int, scale: float
+) -> torch.Tensor:
+    """[M, num_heads, head_size] float32: the attention of the tree's real nodes (`tree.valid_nodes`
+    order). query [rows, num_heads, head_size] (query head h reads KV head h // (num_heads / num_kv_heads),
+    vLLM's grouping); kv_cache one layer's CPU_ATTN cache, holding every window's K/V (nodes included)."""
+    num_req, num_nodes = len(tree.runs), tree.num_nodes
+    _, num_heads, head_size = query.shape
+    group = num_heads // num_kv_heads
+    if tree.first_row is not None:  # rows first_row .. first_row + T * N - 1, in node order
+        queries = query.narrow(0, tree.first_row, num_req * num_nodes)
+    else:
+        queries = query.index_select(0, tree.query_rows)
+    queries = queries.view(num_req, num_nodes, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)
+    queries = queries.reshape(num_req, num_kv_heads, group * num_nodes, head_size).float() * scale  # (may be a view of query)
+    outputs = []
+    for t, runs in enumerate(tree.runs):
+        parts = [_attend_run(queries[t], kv_cache, run, layout, group, num_nodes, masked_rows=len(runs) > 1) for run in runs]
+        if len(parts) == 1:
+            attended, _, total = parts[0]
+            outputs.append(attended.div_(total.unsqueeze(-1)))
+            continue
+        maxima = torch.stack([m for _, m, _ in parts])  # [S, KV, G * N]
+        weights = (maxima - maxima.amax(0)).exp_()
+        total = (torch.stack([z for _, _, z in parts]) * weights).sum(0)
+        attended = (torch.stack([o for o, _, _ in parts]) * weights.unsqueeze(-1)).sum(0)
+        outputs.append(attended.div_(total.unsqueeze(-1)))
+    attended = outputs[0].unsqueeze(0) if num_req == 1 else torch.stack(outputs)
+    attended = attended.view(num_req, num_kv_heads, group, num_nodes, head_size).permute(0, 3, 1, 2, 4)
+    attended = attended.reshape(num_req * num_nodes, num_heads, head_size)
+    return attended if tree.all_valid else attended.index_select(0, tree.valid_nodes)
+
+
+def _attend_run(
+    queries: torch.Tensor, kv_cache: torch.Tensor, run: WindowRun, layout: Any, group: int, num_nodes: int, masked_rows: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One run's share of the softmax, unnormalized: (sum_p e^(l_p - m) v_p [KV, G * N, head_size],
+    m = the row's largest logit in the run [KV, G * N], sum_p e^(l_p - m) [KV, G * N]). queries
+    [KV, G * N, head_size], already scaled. masked_rows: some row may see none of the run (its m is
+    -inf); it then contributes zeros with a finite m."""
+    keys_t, values = block_run(kv_cache, run.first_block, run.num_blocks, layout)
+    logits = torch.matmul(queries, keys_t.float())  # [blocks, KV, G * N, block_size]
+    if run.bias_from < run.num_blocks:
+        logits.unflatten(2, (group, num_nodes))[run.bias_from :].add_(run.bias)
+    maxima = logits.amax(dim=(0, 3), keepdim=True)
+    if masked_rows:
+        maxima.clamp_(min=torch.finfo(torch.float32).min)
+    probs = logits.sub_(maxima).exp_()
+    attended = torch.matmul(probs, values.float())  # [blocks, KV, G * N, head_size]
+    attended = attended[0] if run.num_blocks == 1 else attended.sum(0)
+    return attended, maxima.view(maxima.shape[1:3]), probs.sum(dim=(0, 3))
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):

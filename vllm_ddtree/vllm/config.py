@@ -30,8 +30,10 @@ async scheduling, another worker_cls, a quantized KV cache, pipeline parallelism
 itself fails under it on the V1 runner), Ray executors (vLLM's CPU platform refuses Ray), a budget
 outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has built its configs,
 `check_engine_config` refuses drafts that do not fit the target (vocabulary, hidden size,
-target_layer_ids), hybrid, attention-free and M-RoPE targets, data parallelism > 1 for MoE targets, a
-Ray backend vLLM chose itself, and a V2 model runner vLLM chose. Tensor parallelism is supported (every
+target_layer_ids), hybrid targets other than Gated DeltaNet ones (GDN_HYBRID_ARCHITECTURES) and GDN
+hybrids off CPU, attention-free and M-RoPE targets, data parallelism > 1 for MoE targets, a Ray backend
+vLLM chose itself, and a V2 model runner vLLM chose. A GDN hybrid target runs with prefix caching forced
+off (logged; `vllm/gdn.py` verifies its recurrent layers as trees). Tensor parallelism is supported (every
 rank samples from the same all-gathered logits and the sampled tokens are broadcast from rank 0, so all
 ranks accept the same path); so is data parallelism for dense targets (vLLM runs each DP rank of a
 dense model as an independent engine core, with its own runner and adaptive budget). The tree sampling rule is
@@ -58,6 +60,10 @@ GPU_ATTENTION_BACKEND = "TRITON_ATTN"
 """The one GPU attention backend method 'ddtree' runs (target and draft): vLLM's Triton attention, whose
 tree-verify rows our subclass recomputes with the Triton tree kernel (`vllm/triton_attention.py`)."""
 ADDITIONAL_CONFIG_KEY = "ddtree"
+GDN_HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+"""Hybrid targets method 'ddtree' serves on CPU: full attention plus Gated DeltaNet layers (`vllm/gdn.py`),
+1-D RoPE. Their prefix caching is forced off: with it vLLM switches to mamba_cache_mode 'align', whose
+state copies are a Triton kernel vLLM 0.32 does not map on CPU (plain decoding crashes there too)."""
 
 _PASSTHROUGH_KEYS = frozenset(
     {"model", "num_speculative_tokens", "enforce_eager", "max_model_len", "revision", "code_revision", "quantization"}
@@ -181,6 +187,8 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
     check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
+    if _is_gdn_hybrid(_load_hf_config(args, {"model": args.model, "revision": args.revision, "code_revision": args.code_revision})):
+        args.enable_prefix_caching = False  # logged by check_engine_config
 
     if on_gpu:
         # vLLM picks its V2 model runner by default where it supports the features; ours subclasses V1.
@@ -263,6 +271,10 @@ def _load_hf_config(args: Any, dflash: dict[str, Any]) -> Any:
     )
 
 
+def _is_gdn_hybrid(hf_config: Any) -> bool:
+    return bool(set(getattr(hf_config, "architectures", None) or []) & set(GDN_HYBRID_ARCHITECTURES))
+
+
 def _target_layer_ids(draft_hf_config: Any) -> Any:
     dflash_config = getattr(draft_hf_config, "dflash_config", None)
     return dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
@@ -295,8 +307,9 @@ def check_engine_config(vllm_config: Any) -> None:
     """Raise on a target, a draft or a runner choice method 'ddtree' cannot serve, once vLLM has built
     its configs and before any weight is loaded. Every message names the problem and the fix.
 
-    - the target: every layer must be attention over the paged KV cache (no hybrid or attention-free
-      model) with 1-D positions (no M-RoPE), since tree nodes sit at positions `start + depth`;
+    - the target: every layer must be attention over the paged KV cache, or on CPU a Gated DeltaNet
+      layer of a GDN_HYBRID_ARCHITECTURES target (no other hybrid, no attention-free model), with 1-D
+      positions (no M-RoPE), since tree nodes sit at positions `start + depth`;
     - the draft must fit the target: same vocabulary (it drafts target token ids through the target's
       embedding and LM head), same hidden size (it reads the target's hidden states) and
       dflash_config.target_layer_ids inside the target's layers (vLLM would fail at the first step);
@@ -307,11 +320,7 @@ def check_engine_config(vllm_config: Any) -> None:
     name = f"{target.model} ({', '.join(target.architectures)})"
     serve_elsewhere = "serve this model without method 'ddtree' (plain decoding or another speculative method)"
     if target.is_hybrid:
-        raise ValueError(
-            f"method 'ddtree' does not support hybrid targets (attention mixed with Mamba/linear-attention "
-            f"layers) such as {name}: the tree verify step needs attention over the KV cache in every layer; "
-            f"{serve_elsewhere}"
-        )
+        _check_hybrid_target(vllm_config, name, serve_elsewhere)
     if target.is_attention_free:
         raise ValueError(
             f"method 'ddtree' does not support attention-free (Mamba/SSM) targets such as {name}: the tree "
@@ -348,6 +357,26 @@ def check_engine_config(vllm_config: Any) -> None:
             "method 'ddtree' needs vLLM's V1 model runner, but vLLM chose its V2 model runner for this engine; "
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
+
+
+def _check_hybrid_target(vllm_config: Any, name: str, serve_elsewhere: str) -> None:
+    """Raise unless a hybrid target is a Gated DeltaNet hybrid on CPU; log that its prefix caching is off."""
+    from vllm.platforms import current_platform
+
+    if not _is_gdn_hybrid(vllm_config.model_config.hf_config):
+        raise ValueError(
+            f"method 'ddtree' supports hybrid targets with Gated DeltaNet layers ({', '.join(GDN_HYBRID_ARCHITECTURES)}) "
+            f"but not {name}: its recurrent layers would need their own tree verify step; {serve_elsewhere}"
+        )
+    if not current_platform.is_cpu():
+        raise ValueError(
+            f"method 'ddtree' verifies hybrid (Gated DeltaNet) targets such as {name} on CPU only: the GPU "
+            f"recurrent kernel has no parent index for tree nodes yet (docs/scaling.md); {serve_elsewhere}"
+        )
+    logger.info(
+        "vllm_ddtree: hybrid target %s: prefix caching off (with it vLLM's mamba_cache_mode 'align' runs a Triton "
+        "kernel vLLM 0.32 has no CPU version of); Gated DeltaNet layers verify trees (vllm_ddtree.vllm.gdn)", name
+    )
 
 
 def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:

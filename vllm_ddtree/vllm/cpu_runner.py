@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
@@ -23,15 +24,19 @@ from vllm_ddtree.vllm.tree_step import TreeRows
 class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
-        return self.input_batch.block_table[0].slot_mapping.cpu
+        # `.gpu`, the buffer vLLM's slot-mapping kernel writes: CPUModelRunner aliases it to `.cpu`, except
+        # in an input batch vLLM rebuilds for a hybrid target's block sizes (`may_reinitialize_input_batch`).
+        return self.input_batch.block_table[self.attention_group].slot_mapping.gpu
 
     @override
     def _attach_tree_attention(self, attn_metadata: dict[str, Any], rows: TreeRows) -> None:
-        block_table = self.input_batch.block_table[0]
+        block_table = self.input_batch.block_table[self.attention_group]
         tree = TreeAttention.build(rows, block_table.get_cpu_tensor(), block_table.block_size)
-        for metadata in attn_metadata.values():
+        for metadata in {id(metadata): metadata for metadata in attn_metadata.values()}.values():
+            if isinstance(metadata, GDNAttentionMetadata):
+                continue  # a hybrid target's GDN layers: their trees come from `gdn.attach_gdn_trees`
             assert isinstance(metadata, DDTreeCPUAttentionMetadata)
-            metadata.tree = tree
+            metadata.attach_tree(tree, rows)
 
     @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

@@ -101,6 +101,30 @@ def row_index(layout: RegionLayout, slots: torch.Tensor, num_kv_heads: int) -> t
     return base.unsqueeze(0) * region + offsets.unsqueeze(2)
 
 
+def block_run(kv_cache: torch.Tensor, first_block: int, num_blocks: int, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys_t, values) of the consecutive cache blocks first_block .. first_block + num_blocks - 1:
+    keys_t [num_blocks, num_kv_heads, head_size, block_size] (keys transposed, ready for q @ k^T),
+    values [num_blocks, num_kv_heads, block_size, head_size]. Views into the cache for an affine layout
+    (no copy: "vec" ISAs keep keys dim-major, so keys_t's last dim is contiguous); a layout that is not
+    affine is gathered (one selection by its offsets, a copy of these blocks only)."""
+    block_size, head_size = layout.key_offsets.shape
+    region = 2 * block_size * head_size
+    regions = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], region)[first_block : first_block + num_blocks]
+    num_kv_heads = regions.shape[1]
+
+    def tokens(offsets: torch.Tensor, strides: tuple[int, int, int] | None, transposed: bool) -> torch.Tensor:
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        if strides is None:
+            order = offsets.t() if transposed else offsets
+            picked = regions.index_select(2, order.flatten())
+            return picked.view(num_blocks, num_kv_heads, *order.shape)
+        base, token_stride, dim_stride = strides
+        picked = regions.as_strided(shape, (num_kv_heads * region, region, token_stride, dim_stride), regions.storage_offset() + base)
+        return picked.transpose(2, 3) if transposed else picked
+
+    return tokens(layout.key_offsets, layout.key_strides, True), tokens(layout.value_offsets, layout.value_strides, False)
+
+
 def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values), each [R, num_kv_heads, W * block_size, head_size]: the tokens of blocks
     `block_ids` [R, W] in order, i.e. positions 0 .. W * block_size - 1 of each request's block table.

@@ -94,14 +94,42 @@ def _validate_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     return validate_tokens
 
 
+def _gdn_spec_forward(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm_ddtree.vllm.gdn import GDNTREES_ATTR, tree_spec_forward
+
+    @functools.wraps(original)
+    def spec_forward(layer: Any, attn_metadata_i: Any, mixed_qkv_spec: Any, b_spec: Any, a_spec: Any,
+                     conv_buf: Any, ssm_state: Any, width: int, state_len: int) -> Any:
+        if getattr(attn_metadata_i, GDNTREES_ATTR, None) is None:  # not a method 'ddtree' step
+            return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, width, state_len)
+        return tree_spec_forward(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf, ssm_state, width)
+
+    return spec_forward
+
+
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
     from vllm.sampling_params import SamplingParams
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.structured_output import StructuredOutputManager
 
     return [
+        # Why: vLLM's CPU GDN layers verify drafts as ONE chain (token t's recurrent state and conv window
+        # from token t-1's). For a method 'ddtree' step the runner attaches the trees to the GDN metadata
+        # (`gdn.attach_gdn_trees`) and the spec-decode tokens run as trees instead: each node's state from
+        # its parent's, its conv window over its ancestors (`gdn.tree_spec_forward`); every other call,
+        # and every other engine, runs vLLM's function unchanged. A module function, called by name from
+        # `_cpu_gdn_attention_spec_aware`, so replacing the module attribute reaches every call.
+        # Remove when: vLLM verifies trees in recurrent layers (RFC vllm#54080, "TreeWY").
+        Patch(
+            owner=gdn_attention,
+            name="_spec_forward",
+            make=_gdn_spec_forward,
+            why="verify method 'ddtree' trees in Gated DeltaNet layers (state from the parent, conv over ancestors)",
+            remove_when="vLLM verifies trees in recurrent layers (RFC vllm#54080)",
+        ),
         # Why: SpeculativeConfig validates `method` against a closed Literal (and forbids extra keys), so
         # {"method": "ddtree", ...} cannot even be constructed. EngineArgs.create_engine_config is the one
         # place every entry point (LLM, `vllm serve`, AsyncLLM) turns the user's dict into configs; the

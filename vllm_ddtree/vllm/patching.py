@@ -9,6 +9,7 @@ be right for the source it was written against. All patches are declared in `vll
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,8 +58,15 @@ class Patch:
     remove_when: str
 
     @property
+    def owner_name(self) -> str:
+        """The owner's import path: a module's name, or a class's module.qualname."""
+        if isinstance(self.owner, types.ModuleType):
+            return self.owner.__name__
+        return f"{self.owner.__module__}.{self.owner.__qualname__}"
+
+    @property
     def target(self) -> str:
-        return f"{getattr(self.owner, '__module__', '')}.{getattr(self.owner, '__qualname__', self.owner)}.{self.name}"
+        return f"{self.owner_name}.{self.name}"
 
 
 def apply_patch(patch: Patch) -> None:

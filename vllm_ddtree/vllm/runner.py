@@ -33,6 +33,7 @@ from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, Mi
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
@@ -117,10 +118,7 @@ class DDTreeRunnerMixin:
     @override
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise NotImplementedError(
-                "method 'ddtree' needs the target and draft in one KV cache group (no hybrid or sliding-window models)"
-            )
+        self.attention_group, self.gdn_groups = kv_cache_group_kinds(kv_cache_config)
 
     def _target_attention_layers(self) -> list[Attention]:
         draft_layers = self.drafter._draft_attn_layer_names
@@ -195,6 +193,8 @@ class DDTreeRunnerMixin:
         if rows is not None:
             with self.stage_times.stage(TREE_BUILD):
                 self._attach_tree_attention(attn_metadata, rows)
+        if self.gdn_groups and self.step is not None:
+            attach_gdn_trees(attn_metadata, self.step.tree, self.input_batch.num_reqs)
         return attn_metadata, spec_metadata
 
     @override
@@ -290,6 +290,8 @@ class DDTreeRunnerMixin:
         (the draft's layers are rewritten from the context on the next draft pass)."""
         assert step.acceptance is not None and step.node_slots is not None
         plan = step.plan = kv_compaction_plan(step.acceptance)
+        if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
+            compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
         slots = step.node_slots

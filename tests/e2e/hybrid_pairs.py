@@ -1,0 +1,120 @@
+"""A tiny synthetic Qwen3-Next target (Gated DeltaNet + full attention + MoE) and a DFlash draft for it.
+
+What vLLM 0.32's CPU path needs of such a target: bf16 weights at run time, linear-attention head dims
+of 128 (32 fails in the chunk kernel) and at least one MoE layer. Layers: three GDN layers then one full
+attention layer (Qwen3-Next's 3:1 pattern); the last layer is MoE (4 experts, top 2, a shared expert),
+the others dense MLPs.
+
+focused=True builds the hybrid twin of `pairs.build_pair(focused=True)`: every embedding leans on one
+direction u, the layers' output projections are scaled down (GDN out_proj, attention o_proj, MLP and
+expert down projections), and the LM-head rows of the four FOCUS tokens are 6u plus context-dependent
+noise, so the target's greedy token is always a FOCUS token chosen by the context, while the draft (tiny
+layer outputs, mask embedding 6u) ranks the FOCUS tokens in a fixed order: its top-4 always holds the
+target's token, its top-1 often does not. Trees then beat the chain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from tests.e2e.pairs import EOS_TOKEN_ID, FOCUS, MASK_TOKEN_ID, VOCAB, PairShape, _qwen3_config
+
+HIDDEN = 128
+NUM_LAYERS = 4
+TARGET_LAYER_IDS = (1, 2)
+
+
+def _qwen3_next_config():
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        layer_types=["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
+        decoder_sparse_step=1,
+        mlp_only_layers=list(range(NUM_LAYERS - 1)),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=HIDDEN,
+        shared_expert_intermediate_size=HIDDEN,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
+
+
+def build_hybrid_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
+    """Write target/ (Qwen3NextForCausalLM) and draft/ (DFlashDraftModel) under out_dir; returns their paths."""
+    from transformers import Qwen3NextForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    target = Qwen3NextForCausalLM(_qwen3_next_config())
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if "norm" in name:  # zero-centred RMSNorms (1 + w) and the gated GDN norm (w) keep their init
+                continue
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        if focused:
+            u = torch.randn(HIDDEN, generator=gen)
+            u /= u.norm()
+            target.model.embed_tokens.weight.add_(4.0 * u)
+            for name, p in target.named_parameters():
+                if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
+                    p.mul_(0.05)
+            head = target.lm_head.weight
+            head.mul_(0.1)
+            noise = torch.randn(len(FOCUS), HIDDEN, generator=gen) * 0.4
+            along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
+            head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
+            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
+    target_dir = os.path.join(out_dir, "target")
+    target.save_pretrained(target_dir, safe_serialization=True)
+    if focused:
+        with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
+    return target_dir, _write_draft(out_dir, focused, gen)
+
+
+def _write_draft(out_dir: str, focused: bool, gen: torch.Generator) -> str:
+    """A one-layer DFlash draft (z-lab format) reading target layers TARGET_LAYER_IDS."""
+    from transformers import Qwen3ForCausalLM
+
+    shape = PairShape(hidden=HIDDEN, target_layers=NUM_LAYERS, target_layer_ids=TARGET_LAYER_IDS)
+    draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
+    weights = {
+        k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
+        for k, v in draft.state_dict().items()
+        if k.startswith("model.") and "embed_tokens" not in k
+    }
+    weights["fc.weight"] = torch.randn(HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN, generator=gen) * 0.05
+    weights["hidden_norm.weight"] = torch.ones(HIDDEN)
+    if focused:
+        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+            weights[name].mul_(0.002)
+    draft_dir = os.path.join(out_dir, "draft")
+    os.makedirs(draft_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
+    config = _qwen3_config(shape.draft_layers, shape).to_dict()
+    config.update(
+        architectures=["DFlashDraftModel"],
+        block_size=shape.block_size,
+        num_target_layers=NUM_LAYERS,
+        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(TARGET_LAYER_IDS)},
+    )
+    with open(os.path.join(draft_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return draft_dir
