@@ -26,6 +26,7 @@ register_cpu_backend_stand_in()
 
 from dataclasses import dataclass  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -217,9 +218,10 @@ def real_rows(batch: Batch) -> int:
 def test_uniform_verify_batch_with_a_padded_request_matches_the_reference(num_kv_heads: int, group: int, layout: str):
     batch = make_batch(UNIFORM, num_kv_heads, group, layout, padded_requests=1)
     attn_metadata = attach(batch, make_buffers(num_kv_heads * group))
-    assert attn_metadata.tree is not None and attn_metadata.tree.query_rows is None  # uniform layout, in place
+    assert attn_metadata.tree is not None and attn_metadata.tree.covers_batch  # uniform layout, in place
     assert attn_metadata.tree.num_requests == 4 and attn_metadata.tree.seq_lens is attn_metadata.seq_lens
-    output = run(DDTreeTritonAttentionImpl, batch, attn_metadata)
+    with mock.patch.object(TritonAttentionImpl, "forward", side_effect=AssertionError("every row is the tree's")):
+        output = run(DDTreeTritonAttentionImpl, batch, attn_metadata)
     n = real_rows(batch)
     torch.testing.assert_close(output[:n], reference(batch)[:n], atol=2e-5, rtol=1e-5)
 
@@ -230,7 +232,7 @@ def test_mixed_batch_matches_the_reference_and_leaves_other_rows_to_vllm(num_kv_
     batch = make_batch(MIXED, num_kv_heads, group, layout)
     attn_metadata = attach(batch, make_buffers(num_kv_heads * group))
     tree = attn_metadata.tree
-    assert tree is not None and tree.query_rows is not None  # gather layout
+    assert tree is not None and not tree.covers_batch  # gather layout
     assert tree.block_table.shape[1] > batch.block_table.shape[1]  # null-block columns for padded nodes
     output = run(DDTreeTritonAttentionImpl, batch, attn_metadata)
     torch.testing.assert_close(output, reference(batch), atol=2e-5, rtol=1e-5)

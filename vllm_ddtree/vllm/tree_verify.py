@@ -62,6 +62,11 @@ class TreeVerify:
     def num_requests(self) -> int:
         return self.mask_bits.shape[0]
 
+    @property
+    def covers_batch(self) -> bool:
+        """Uniform layout: every query row of the batch's requests is a tree node written here."""
+        return self.query_rows is None
+
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, output: torch.Tensor, scale: float) -> None:
         """Overwrite the tree nodes' rows of `output` [T, Hq, D] with tree attention of `query`
         [T, Hq, D] over the paged cache views key_cache / value_cache [blocks, block_size, Hkv, D]."""

@@ -5,8 +5,10 @@ A batch first runs through vLLM's `TritonAttentionImpl.forward` unchanged. When 
 nodes' rows are then recomputed by the Triton tree-attention kernel (`vllm_ddtree.kernels`) straight
 from vLLM's paged cache (`kv_cache.transpose(1, 2).split(head_size, -1)`, any physical stride order)
 and overwrite vLLM's causal, hence wrong, rows: node i attends to the committed prefix, its ancestors
-and itself. Everything else, including prefills, plain decodes and the DFlash draft's non-causal pass
-(whose metadata never carries a tree), is exactly vLLM's TRITON_ATTN.
+and itself. A tree in the uniform layout covers every row of the batch (chains with causal masks), so
+vLLM's kernel, whose every row would be overwritten, does not run then. Everything else, including
+prefills, plain decodes and the DFlash draft's non-causal pass (whose metadata never carries a tree),
+is exactly vLLM's TRITON_ATTN.
 
 CUDA graphs (`tree_verify.py` has the layouts): the builder owns the persistent `TreeVerifyBuffers`.
 A FULL graph is captured only for uniform verify batches (every request 1 + num_speculative_tokens
@@ -101,8 +103,9 @@ class DDTreeTritonAttentionImpl(TritonAttentionImpl):
         output_scale: torch.Tensor | None = None,
         output_block_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         tree = getattr(attn_metadata, "tree", None)
+        if tree is None or not tree.covers_batch:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if tree is not None:
             key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
             tree.attend(query, key_cache, value_cache, output, self.scale)
