@@ -292,6 +292,8 @@ class DDTreeRunnerMixin:
         plan = step.plan = kv_compaction_plan(step.acceptance)
         if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
+        if not bool(step.drafted.any()):  # host-side: roots alone, nothing moves
+            return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
         slots = step.node_slots
