@@ -96,7 +96,7 @@ def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init
 SURFACE: tuple[VLLMMember, ...] = (
     # ---- overrides: DDTreeRunnerMixin (runner.py) over vLLM's V1 runner ----------------------------------------------
     VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers and refuses M-RoPE after the load", params=("...",)),
-    VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "refuses more than one KV cache group", params=("kv_cache_config", "...")),
+    VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "finds the attention group and a hybrid target's GDN state groups; refuses other layouts", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "load_model", "override", "the same check on CUDA (DDTreeGPUModelRunner)", params=("...",)),
     VLLMMember(_GPU_RUNNER, "initialize_kv_cache", "override", "the same refusal on CUDA (DDTreeGPUModelRunner)", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "execute_model", "override", "starts the budget policy's step clock and the step timer", params=("scheduler_output", "...")),
@@ -146,7 +146,18 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads(_INPUT_BATCH, "num_reqs req_ids", "the batch's requests in row order", created_in=None),
     *_reads(_INPUT_BATCH, "sampling_metadata generators", "per-request sampling state for the tree nodes"),
     *_reads(_INPUT_BATCH, "block_table", "the KV slots and blocks of this step's rows"),
-    *_reads(_BLOCK_TABLE, "slot_mapping block_size", "this step's per-row KV slots (.cpu), the block size for the tree masks"),
+    *_reads(_BLOCK_TABLE, "slot_mapping block_size", "this step's per-row KV slots (.gpu on CPU too: vLLM's kernel writes it), the block size for the tree masks"),
+    # ---- hybrid Gated DeltaNet targets (gdn.py, the `_spec_forward` patch) --------------------------------------------
+    *_reads("vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadata", "spec_sequence_masks_cpu num_spec_decodes spec_query_start_loc spec_state_indices_tensor num_accepted_tokens",
+            "the spec-decode requests of a step, their window rows, spec state columns and last accepted counts", created_in=None),
+    *_reads("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention", "conv1d A_log dt_bias", "a GDN layer's conv weight and gating parameters for the tree scan"),
+    *_reads("vllm.model_executor.layers.mamba.gdn.base.GatedDeltaNetAttention", "activation", "a GDN layer's conv activation"),
+    *_reads("vllm.model_executor.layers.mamba.abstract.MambaBase", "kv_cache", "a GDN layer's (conv buffers, recurrent states), compacted after the walk", created_in="bind_kv_cache"),
+    VLLMMember("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention", "rearrange_mixed_qkv", "read-method", "splits the tree-convolved qkv as vLLM's path does", params=("mixed_qkv",)),
+    *_reads("vllm.v1.kv_cache_interface.KVCacheGroupSpec", "layer_names kv_cache_spec", "which groups are attention and which GDN state; the layers of a GDN group", created_in=None),
+    *_reads(_GPU_RUNNER, "compilation_config speculative_config", "the GDN layers by name (static_forward_context); num_speculative_tokens, the spec columns per request"),
+    *_reads(_GPU_RUNNER, "kv_cache_config", "the KV cache groups of the GDN layers", created_in="initialize_kv_cache"),
+    *_reads("vllm.config.compilation.CompilationConfig", "static_forward_context", "the GDN layers by name", created_in=None),
     *_reads("vllm.v1.utils.CpuGpuBuffer", "np cpu", "host views of the runner's buffers"),
     *_reads(_GPU_RUNNER, "sampler", "vLLM's sampler: its logprobs_mode and gather_logprobs (it never samples for method 'ddtree')"),
     *_reads("vllm.v1.sample.sampler.Sampler", "logprobs_mode", "which distribution logprobs report"),
@@ -213,7 +224,9 @@ def vllm_surface() -> tuple[VLLMMember, ...]:
 
     return SURFACE + tuple(
         VLLMMember(
-            f"{patch.owner.__module__}.{patch.owner.__qualname__}",
+            # A module's function (gdn_attention._spec_forward) reads like a method: its first parameter
+            # is left out of `params` on both sides.
+            patch.owner_name,
             patch.name,
             "patch",
             patch.why,
