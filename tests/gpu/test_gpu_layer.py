@@ -63,13 +63,19 @@ def test_the_step_slots_are_the_block_tables_device_slot_mapping():
 
 def test_a_target_layer_with_our_triton_impl_is_accepted():
     impl = DDTreeTritonAttentionImpl(4, HEAD_SIZE, HEAD_SIZE**-0.5, 2, None, None, "auto")
-    DDTreeGPUModelRunner._check_target_attention(None, SimpleNamespace(impl=impl))
+    DDTreeGPUModelRunner._check_target_attention(SimpleNamespace(is_mm_prefix_lm=False), SimpleNamespace(impl=impl))
 
 
 def test_target_attention_other_than_our_triton_impl_is_refused():
     layer = SimpleNamespace(impl=object())
     with pytest.raises(NotImplementedError, match="needs vLLM's TRITON_ATTN attention backend"):
-        DDTreeGPUModelRunner._check_target_attention(None, layer)
+        DDTreeGPUModelRunner._check_target_attention(SimpleNamespace(is_mm_prefix_lm=False), layer)
+
+
+def test_mm_prefix_targets_are_refused():
+    impl = DDTreeTritonAttentionImpl(4, HEAD_SIZE, HEAD_SIZE**-0.5, 2, None, None, "auto")
+    with pytest.raises(NotImplementedError, match="bidirectional multimodal prefixes .*; use method 'dflash'"):
+        DDTreeGPUModelRunner._check_target_attention(SimpleNamespace(is_mm_prefix_lm=True), SimpleNamespace(impl=impl))
 
 
 @pytest.mark.parametrize(

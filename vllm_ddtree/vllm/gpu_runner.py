@@ -44,6 +44,10 @@ class DDTreeGPUModelRunner(DDTreeRunnerMixin, GPUModelRunner):
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:
+        """Also refuses mm-prefix LMs: a uniform verify batch is recomputed with causal and tree masks
+        only, which would drop a prefill chunk's bidirectional image ranges."""
         if not isinstance(layer.impl, DDTreeTritonAttentionImpl):
             raise NotImplementedError("method 'ddtree' needs vLLM's TRITON_ATTN attention backend for the target on CUDA")
+        if self.is_mm_prefix_lm:
+            raise NotImplementedError("method 'ddtree' does not support targets with bidirectional multimodal prefixes (mm-prefix LMs); use method 'dflash'")
         layer.impl.check_tree_support()
