@@ -139,6 +139,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     # ---- state we read -----------------------------------------------------------------------------------------------
     *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
     *_reads(_GPU_RUNNER, "uses_mrope", "M-RoPE targets are refused: tree nodes take 1-D positions"),
+    *_reads(_GPU_RUNNER, "is_mm_prefix_lm", "mm-prefix LMs are refused on CUDA: uniform verify batches are recomputed with causal and tree masks"),
     *_reads(_GPU_RUNNER, "positions", "node rows get RoPE positions start + depth, then linear ones for the draft"),
     *_reads(_GPU_RUNNER, "query_start_loc", "each request's first row in the batch (.np)"),
     *_reads(_GPU_RUNNER, "discard_request_mask", "partial-prefill rows (.np), whose token vLLM discards"),
