@@ -57,7 +57,9 @@ def test_our_backend_stands_in_for_triton_attn_with_our_impl_and_builder():
 
 def test_the_step_slots_are_the_block_tables_device_slot_mapping():
     slot_mapping = SimpleNamespace(cpu=torch.zeros(4), gpu=torch.arange(4))
-    runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=[SimpleNamespace(slot_mapping=slot_mapping)]))
+    other_group = SimpleNamespace(slot_mapping=SimpleNamespace(gpu=torch.zeros(4)))
+    block_tables = [other_group, SimpleNamespace(slot_mapping=slot_mapping)]
+    runner = SimpleNamespace(input_batch=SimpleNamespace(block_table=block_tables), attention_group=1)  # a hybrid target's
     assert DDTreeGPUModelRunner._step_slot_mapping(runner) is slot_mapping.gpu
 
 

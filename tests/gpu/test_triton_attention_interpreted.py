@@ -30,6 +30,7 @@ from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl  # noqa: E402
 
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference  # noqa: E402
@@ -187,14 +188,16 @@ def run(impl_cls: type[TritonAttentionImpl], batch: Batch, attn_metadata: DDTree
 
 def attach(batch: Batch, buffers: TreeVerifyBuffers) -> DDTreeTritonAttentionMetadata:
     """The GPU runner's `_attach_tree_attention` on this batch's metadata (shared by two layers, as
-    vLLM shares one metadata object across an attention group)."""
+    vLLM shares one metadata object across an attention group; a hybrid target's GDN layer beside them
+    is left to `gdn.attach_gdn_trees`)."""
     attn_metadata = metadata(batch, buffers)
     width = max(r.query_len for r in batch.requests if r.parents is not None)
     runner = SimpleNamespace(
         query_start_loc=SimpleNamespace(np=batch.query_start_loc.numpy()),
         input_batch=SimpleNamespace(num_reqs=len(batch.requests)),
     )
-    DDTreeGPUModelRunner._attach_tree_attention(runner, {"layers.0.attn": attn_metadata, "layers.1.attn": attn_metadata}, tree_rows(batch, width))
+    layers = {"layers.0.attn": attn_metadata, "layers.1.attn": attn_metadata, "layers.2.linear_attn": GDNAttentionMetadata.__new__(GDNAttentionMetadata)}
+    DDTreeGPUModelRunner._attach_tree_attention(runner, layers, tree_rows(batch, width))
     return attn_metadata
 
 

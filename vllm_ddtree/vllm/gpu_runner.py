@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ddtree.vllm.kv_rows import move_slots
@@ -25,12 +26,14 @@ from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeT
 class DDTreeGPUModelRunner(DDTreeRunnerMixin, GPUModelRunner):
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
-        return self.input_batch.block_table[0].slot_mapping.gpu
+        return self.input_batch.block_table[self.attention_group].slot_mapping.gpu
 
     @override
     def _attach_tree_attention(self, attn_metadata: dict[str, Any], rows: TreeRows) -> None:
         query_start_loc = self.query_start_loc.np[: self.input_batch.num_reqs + 1]
         for metadata in {id(m): m for m in attn_metadata.values()}.values():
+            if isinstance(metadata, GDNAttentionMetadata):
+                continue  # a hybrid target's GDN layers: their trees come from `gdn.attach_gdn_trees`
             assert isinstance(metadata, DDTreeTritonAttentionMetadata) and metadata.tree_buffers is not None
             width, num_padded = rows.valid.shape[1], metadata.seq_lens.shape[0]
             uniform = is_uniform(query_start_loc, width, num_padded, metadata.num_actual_tokens)
