@@ -7,8 +7,9 @@ from vLLM's paged cache. A batch reaches it in one of two layouts:
 - uniform: every request of the batch has exactly N query rows (a pure verify batch, the shape of
   vLLM's FULL decode CUDA graphs). Node i of request t is batch row t * N + i, so the kernel reads
   the batch's query rows and writes the batch's output rows in place, with vLLM's own seq_lens
-  (start + N; 0 for the padded requests of a graph) and block table. Chains get the causal mask and
-  are recomputed exactly; only the masks are ours.
+  (start + N; 0 for the padded requests of a graph) and block table. Chains (and a prefill chunk
+  that happens to have N rows) get the causal mask, so the tree kernel computes every row of the
+  batch and vLLM's kernel need not run; only the masks are ours.
 - gather: anything else (prefills, requests with fewer drafts). Only the branching trees are taken:
   their nodes' query rows are gathered into a workspace, the kernel writes a workspace, and the real
   nodes' rows are copied back. Padded nodes (a tree with fewer than N nodes) repeat the root's query,
@@ -19,8 +20,8 @@ from vLLM's paged cache. A batch reaches it in one of two layouts:
 All tensors the kernel reads live in `TreeVerifyBuffers`, allocated once for the largest batch
 (max_num_seqs requests x (1 + num_speculative_tokens) nodes), so their addresses never change: a CUDA
 graph captured over a uniform batch replays against whatever the runner writes there next. Host data
-(masks, lengths, row indices) is staged through pinned host buffers and copied without blocking; the
-device never waits on the host and the host never waits on the device.
+(masks, lengths, row indices; `TreeRows` are host tensors) is staged through pinned host buffers and
+copied without blocking: the host never waits on the device.
 """
 
 from __future__ import annotations
