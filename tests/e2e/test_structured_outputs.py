@@ -123,7 +123,8 @@ def _serve(llm, texts: list[str]) -> dict:
         delta = {name: after[name] - before.get(name, 0) for name in after}
         result["kinds"][kind] = {
             "outputs": [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
-            "tokens_per_step": 1 + delta["vllm:spec_decode_num_accepted_tokens"] / delta["vllm:spec_decode_num_drafts"] if delta else None,
+            "tokens_per_step": (1 + delta["vllm:spec_decode_num_accepted_tokens"] / delta["vllm:spec_decode_num_drafts"]
+                                if delta.get("vllm:spec_decode_num_drafts") else None),  # None: no verify step (plain decoding)
         }
     kinds = _kinds()
     mixed_params = [_greedy(structured) for structured in kinds.values()]
@@ -156,6 +157,8 @@ def served(pair_dirs, request):
                   structured_outputs_config={"backend": request.param, "disable_any_whitespace": True})
         try:
             results[name] = _serve(llm, texts)
+            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            assert getattr(runner, "num_chain_fallbacks", 0) == 0, "the scheduler's drafts were not the proposed trees"
         finally:
             llm.llm_engine.engine_core.shutdown()
     return {**results, "backend": request.param}
@@ -191,9 +194,11 @@ def test_logprobs_equal_plain_decoding(served, request_kind):
 
 
 def test_trees_still_accept_under_grammars(served):
-    per_kind = {kind: round(run["tokens_per_step"], 2) for kind, run in served["ddtree"]["kinds"].items()}
+    """Tokens per verify step (vLLM's metric; None: no step verified drafts, i.e. the grammar admitted
+    none of the draft's candidates at any step, so every tree was its root alone)."""
+    per_kind = {kind: run["tokens_per_step"] and round(run["tokens_per_step"], 2) for kind, run in served["ddtree"]["kinds"].items()}
     print(f"tokens per step under each grammar kind ({served['backend']}):", per_kind)
-    assert per_kind["regex"] > 1.3 and per_kind["grammar"] > 1.3
+    assert per_kind["regex"] > 1.5 and per_kind["grammar"] > 1.5 and per_kind["json schema"] > 1.5
 
 
 def _fake_vllm_config(budget: int, disable_any_whitespace: bool = False):

@@ -41,6 +41,8 @@ from vllm.v1.structured_output.backend_types import StructuredOutputBackend, Str
 from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
 from vllm.v1.structured_output.request import get_structured_output_key
 
+from vllm_ddtree.core import DraftTree
+from vllm_ddtree.core.filtered_tree import build_filtered_tree
 from vllm_ddtree.vllm.tree_step import TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -97,6 +99,47 @@ class NodeGrammars:
             rows += node_rows[index, :count].tolist()
         if rows:
             _apply_bitmask_(logits, torch.cat(masks), torch.tensor(rows))
+
+    def filtered_trees(
+        self,
+        trees: DraftTree,
+        top_logprobs: torch.Tensor,
+        top_token_ids: torch.Tensor,
+        budget: int,
+        req_ids: list[str],
+        emitted: torch.Tensor,
+        discarded: Any,
+        requests: dict[str, Any],
+    ) -> DraftTree:
+        """The drafter's trees [R, budget + 1] with every structured request's tree rebuilt from only
+        the candidates its grammar admits (`build_filtered_tree`), so no budget goes to nodes the
+        acceptance walk could never accept; a stop token gets no children. top_logprobs,
+        top_token_ids [R, L, K]: the draft's top-K per depth; emitted [R, W]: this step's output rows
+        (-1 padded), which the next root's grammar state follows; discarded [R]: partial-prefill rows
+        (their drafts are dropped by the scheduler). Other rows are returned unchanged; a grammar
+        ends where it began (the state after the output before this step)."""
+        rebuilt: dict[int, DraftTree] = {}
+        for index, req_id in enumerate(req_ids):
+            entry = self._grammars.get(req_id)
+            params = requests[req_id].sampling_params
+            if entry is None or entry.broken or bool(discarded[index]):
+                continue
+            new = [token for token in emitted[index].tolist() if token >= 0]
+            stops = params.all_stop_token_ids
+            if any(token in stops for token in new) or entry.grammar.validate_tokens(new) != new:
+                continue  # the request stops here (or its grammar disagrees: vLLM's scheduler ends it)
+            entry.grammar.accept_tokens(req_id, new)
+            try:
+                rebuilt[index] = _filtered_tree(req_id, entry, stops, int(trees.token_ids[index, 0]), top_logprobs[index], top_token_ids[index], budget)
+            finally:
+                entry.grammar.rollback(len(new))
+        if not rebuilt:
+            return trees
+        fields = {name: getattr(trees, name).clone() for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")}
+        for index, tree in rebuilt.items():
+            for name, values in fields.items():
+                values[index] = getattr(tree, name)[0]
+        return DraftTree(**fields, max_depth=trees.max_depth)
 
     def _caught_up(self, req_id: str, params: Any, output: list[int]) -> _RequestGrammar | None:
         """The request's grammar at the state after `output` (compiled on first use), None if broken."""
@@ -156,6 +199,33 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: i
 
     fill(0)
     return bitmask
+
+
+def _filtered_tree(
+    req_id: str, entry: _RequestGrammar, stops: set[int], root: int, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int
+) -> DraftTree:
+    """One request's best-first tree among the candidates its grammar (at the root's state) admits."""
+    grammar = entry.grammar
+    root_mask = entry.backend.allocate_token_bitmask(1)
+    grammar.fill_bitmask(root_mask, 0)
+    masks, paths = [root_mask[0]], [[]]
+
+    def admit(parent: int, token: int) -> bool:
+        if not _allows(masks[parent], token):
+            return False
+        path = paths[parent] + [token]
+        mask = entry.backend.allocate_token_bitmask(1)
+        if token in stops:
+            mask.zero_()  # nothing follows a stop token
+        else:
+            grammar.accept_tokens(req_id, path)
+            grammar.fill_bitmask(mask, 0)
+            grammar.rollback(len(path))
+        masks.append(mask[0])
+        paths.append(path)
+        return True
+
+    return build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)
 
 
 def _allows(bitmask_row: torch.Tensor, token: int) -> bool:

@@ -10,6 +10,7 @@ than vLLM reserves for DFlash with the same num_speculative_tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ class DDTreeProposer(DFlashProposer):
         self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
+        self.tree_filter: Callable[[DraftTree, torch.Tensor, torch.Tensor, int], DraftTree] | None = None
+        """Set by the runner: rebuilds some requests' trees from the same top-k (structured outputs:
+        only grammar-admitted candidates, `NodeGrammars.filtered_trees`)."""
         depth = min(ddtree.budget, self.max_depth)
         self.budget_policy: BudgetPolicy | None = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
@@ -69,6 +73,8 @@ class DDTreeProposer(DFlashProposer):
         with self.stage_times.stage(TREE_BUILD):
             top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1) for t in self._top)
             trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, shape.budget)
+            if self.tree_filter is not None:
+                trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees
             sizes = (trees.num_nodes - 1).tolist()
             return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]

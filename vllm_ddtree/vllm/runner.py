@@ -69,6 +69,7 @@ class DDTreeRunnerMixin:
         self.step: TreeStep | None = None
         self._proposals = Proposals()
         self.node_grammars = NodeGrammars(vllm_config)
+        self.drafter.tree_filter = self._grammar_filtered_trees
         self.clock: StepClock | None = None
         self.num_chain_fallbacks = 0
         self._serve_min_p_and_logit_bias()
@@ -234,6 +235,18 @@ class DDTreeRunnerMixin:
         target = sample_nodes(logits, rows, step.draw_positions(), params, processed)
         step.target_token_ids = get_tp_group().broadcast(target, src=0)
         return processed
+
+    def _grammar_filtered_trees(self, trees: Any, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> Any:
+        """The drafter's new trees with the structured requests' rebuilt from grammar-admitted candidates
+        only, their grammars at the state after this step's output (`NodeGrammars.filtered_trees`)."""
+        step = self.step
+        if step is None or step.acceptance is None:
+            return trees
+        num_reqs = self.input_batch.num_reqs
+        return self.node_grammars.filtered_trees(
+            trees, top_logprobs, top_token_ids, budget, self.input_batch.req_ids, step.acceptance.output_token_ids,
+            self.discard_request_mask.np[:num_reqs], self.requests,
+        )
 
     def _walk(self, step: TreeStep) -> torch.Tensor:
         """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
