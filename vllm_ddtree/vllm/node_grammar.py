@@ -23,6 +23,12 @@ logits, cannot be their token), so their logits are left unmasked (finite, no Na
 terminated grammar's rows. The scheduler's grammar still advances with the committed tokens after each
 step (vLLM's `update_from_output`), unchanged.
 
+The same grammars keep forbidden draft candidates out of the trees (`filtered_trees`, called by the
+drafter once it has the draft's top-k): a structured request's tree is rebuilt best-first among the
+candidates its grammar admits at each node's path (`core.filtered_tree`), starting from the state after
+this step's output, so the budget goes to nodes the acceptance walk can accept. Correctness does not
+depend on it (the per-node masks alone make every emitted token the grammar-masked target's).
+
 Invariant: a grammar's state between steps is the state after the request's committed output
 (`_RequestGrammar.consumed` tokens of it); the walk returns it there.
 """
@@ -118,6 +124,8 @@ class NodeGrammars:
         (-1 padded), which the next root's grammar state follows; discarded [R]: partial-prefill rows
         (their drafts are dropped by the scheduler). Other rows are returned unchanged; a grammar
         ends where it began (the state after the output before this step)."""
+        if not self._grammars:
+            return trees
         rebuilt: dict[int, DraftTree] = {}
         for index, req_id in enumerate(req_ids):
             entry = self._grammars.get(req_id)
