@@ -6,19 +6,25 @@ with plain decoding at least as far as the chain's does, and the tree commits mo
 the chain on a pair whose draft is informative (the focused hybrid pair). The tree scan itself is
 checked exactly, in float32, against chain scans in tests/core/test_gdn_tree.py.
 
-Engines run one after another (reference runs first), each built and shut down by `run_engine`.
+A scripted run cycles the step shapes (no speculation, trees of 4, 8, 16 and 32 nodes, the chain), so
+windows of every width, zero-draft decodes and steps after each other shape meet the same GDN layout.
+Engines run one after another (reference runs first), each built and shut down before the next.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import MAX_TOKENS, Run, prompts, run_engine
+from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, Run, prompts, run_engine
 from tests.e2e.hybrid_pairs import build_hybrid_pair
+from tests.e2e.scripted_budget import ScriptedBudget
+from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
 
 BUDGET = 32
 CHAIN = 7  # the draft's block of 8 drafts at most 7 tokens
-PROMPTS = prompts((3, 7, 12, 20))
+PROMPTS = prompts((3, 7, 12, 20, 45, 70, 100))  # the longest two are prefilled in chunks beside decoding trees
+SCRIPT = [OFF, TreeShape(4), TreeShape(8), TreeShape(CHAIN, topk=1), TreeShape(16), TreeShape(BUDGET)]
+ENGINE = {"dtype": "bfloat16", "max_num_batched_tokens": CHUNK}
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +40,30 @@ def runs(hybrid_pair) -> dict[str, Run]:
 
     target, draft = hybrid_pair
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    engine = {"dtype": "bfloat16", "max_num_batched_tokens": 128}
     return {
-        "plain": run_engine(target, None, PROMPTS, params, enable_prefix_caching=False, **engine),
+        "plain": run_engine(target, None, PROMPTS, params, enable_prefix_caching=False, **ENGINE),
         "chain": run_engine(target, {"method": "dflash", "model": draft, "num_speculative_tokens": CHAIN}, PROMPTS, params,
-                            enable_prefix_caching=False, **engine),
+                            enable_prefix_caching=False, **ENGINE),
         "tree": run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": BUDGET, "ddtree_adaptive": False},
-                           PROMPTS, params, **engine),
+                           PROMPTS, params, **ENGINE),
+        "scripted": scripted_shapes_run(target, draft, params),
     }
+
+
+def scripted_shapes_run(target: str, draft: str, params) -> Run:
+    """A ddtree engine whose step shapes follow SCRIPT (cycled), whatever the timings."""
+    from vllm import LLM
+
+    llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
+              kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0,
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": BUDGET}, **ENGINE)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), SCRIPT))
+    try:
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        return Run([list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].finish_reason for o in outputs], {})
+    finally:
+        llm.llm_engine.engine_core.shutdown()
 
 
 def agreed_prefix(run: Run, reference: Run) -> list[int]:
@@ -49,9 +71,10 @@ def agreed_prefix(run: Run, reference: Run) -> list[int]:
     return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(run.token_ids, reference.token_ids)]
 
 
-def test_tree_agrees_with_plain_decoding_at_least_as_far_as_the_chain(runs):
-    tree, chain = agreed_prefix(runs["tree"], runs["plain"]), agreed_prefix(runs["chain"], runs["plain"])
-    assert sum(tree) >= sum(chain), (tree, chain)
+@pytest.mark.parametrize("run", ["tree", "scripted"])
+def test_ddtree_agrees_with_plain_decoding_at_least_as_far_as_the_chain(runs, run):
+    ours, chain = agreed_prefix(runs[run], runs["plain"]), agreed_prefix(runs["chain"], runs["plain"])
+    assert sum(ours) >= sum(chain), (ours, chain)
 
 
 def test_tree_commits_more_tokens_per_step_than_the_chain(runs):
