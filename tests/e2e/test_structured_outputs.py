@@ -276,3 +276,24 @@ def test_refusals_name_the_option_and_the_alternative():
     with pytest.raises(UnsupportedRequestError, match="structured outputs under a reasoning_parser"):
         check_request(params, reasoning)
     check_request(params, SimpleNamespace(reasoning_parser="deepseek_r1", enable_in_reasoning=True))
+
+
+def test_preempted_structured_requests_equal_plain_decoding(pair_dirs):
+    """A KV cache too small for the batch: vLLM preempts and recomputes requests mid-generation; the
+    runner's grammars keep following each request's committed output across it."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from tests.e2e.conftest import run_engine
+    from vllm_ddtree.demo import heldout_prompts
+
+    target, draft = pair_dirs["trained"]
+    requests = heldout_prompts(7, 32, as_text=True)
+    params = _greedy(StructuredOutputsParams(regex=r"([a-z_ .=()]{1,40}\n){2,40}"), ignore_eos=True)
+    params.max_tokens = 200
+    small = {"kv_cache_memory_bytes": 3_000_000, "max_model_len": 256, "skip_tokenizer_init": False, "max_num_batched_tokens": 512}
+    plain = run_engine(target, None, requests, params, **small)
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 7, "ddtree_adaptive": False}
+    ddtree = run_engine(target, spec, requests, params, **small)
+    assert ddtree.metrics["vllm:num_preemptions"] > 0
+    assert ddtree.token_ids == plain.token_ids
+    assert ddtree.tokens_per_step > 1.5
