@@ -13,9 +13,11 @@ The math per node (Qwen3-Next / FLA `fused_sigmoid_gating_delta_rule_update`, he
     g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
     q = l2norm(q) / sqrt(dk),  k = l2norm(k)
     S = S_parent * exp(g);  S = S + k (beta (v - k^T S))^T;  o = q^T S
-Everything is computed in float32. The scan goes depth by depth: all nodes of one depth (across the
-batch) read their parents' states, which the previous depth wrote, so it costs max_depth + 1 batched
-updates of the nodes present, never one update per node in Python.
+Everything is computed in float32. The scan goes depth by depth: the nodes of one depth (across the
+batch) read their parents' states, which the previous depth wrote; a depth's nodes are updated together
+in chunks sized to stay in cache (`CHUNK_STATE_BYTES`), so small layers take max_depth + 1 batched
+updates and large ones (a full state per node is megabytes) one update per node, at a chain's cost per
+token.
 
 Tree tensors follow `DraftTree`: parents [R, N] (-1 for the root and padded nodes), depths [R, N]; a
 padded node is treated as a root (its output and state are never read).
@@ -27,8 +29,10 @@ import torch
 import torch.nn.functional as F
 
 
-NODES_PER_CHUNK = 4
-"""Nodes updated together: a few full states (2 MiB each in float32 for 32 heads x 128 x 128) fit in cache."""
+CHUNK_STATE_BYTES = 1 << 20
+"""Nodes are updated in chunks of about this many bytes of float32 state, which stay in cache across the
+update's passes (one node of a 32-head x 128 x 128 layer, 2 MiB, is its own chunk: measured on a 2-core
+EPYC, chunks of 4 such nodes ran 2-3x slower per node than chunks of 1; `benchmarks/gdn_tree_scan.py`)."""
 
 
 def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,9 +123,10 @@ def tree_gated_delta_rule(
     flat_parent = torch.where(parents >= 0, parents + num_nodes * torch.arange(num_req, device=q.device).view(-1, 1), -1).flatten()
     flat_depth = depths.flatten()
     request_of = torch.arange(num_req, device=q.device).repeat_interleave(num_nodes)
+    nodes_per_chunk = max(1, CHUNK_STATE_BYTES // (4 * v_heads * k_dim * v_dim))
     for depth in range(int(flat_depth.max()) + 1):
         level = (flat_depth == depth).nonzero().squeeze(1)
-        for nodes in level.split(NODES_PER_CHUNK):  # a chunk's states stay in cache across the passes
+        for nodes in level.split(nodes_per_chunk):
             parent = initial[request_of[nodes]] if depth == 0 else states[flat_parent[nodes]]
             decay = g[nodes].exp()[..., None]  # [n, Hv, 1]
             kn, qn = k[nodes], q[nodes]
