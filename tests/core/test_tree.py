@@ -131,3 +131,19 @@ def test_neg_inf_logprobs_are_never_nodes():
     logprobs = torch.tensor([[[0.0, float("-inf")], [float("-inf"), float("-inf")]]])
     tree = build_draft_trees(torch.tensor([0]), logprobs, torch.tensor([[[1, 2], [3, 4]]]), 5)
     assert int(tree.num_nodes[0]) == 2 and tree.token_ids[0, 1] == 1
+
+
+@given(draft_tables(max_requests=4, max_depth=5, max_topk=5), st.integers(2, 40))
+def test_host_builder_equals_the_device_builder(table, budget):
+    """Host tensors take the numpy builder, device tensors the torch one: the same trees, field by field."""
+    from vllm_ddtree.core.tree import _build_batched, _build_on_host
+
+    roots, logprobs, token_ids = table
+    topk = min(logprobs.shape[2], budget)
+    if topk == 1:
+        return
+    root = roots.view(-1, 1).long()
+    host, device = _build_on_host(root, logprobs, token_ids, budget, topk), _build_batched(root, logprobs, token_ids, budget, topk)
+    for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
+        assert torch.equal(getattr(host, name), getattr(device, name)), name
+    assert host.max_depth == device.max_depth

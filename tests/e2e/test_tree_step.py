@@ -4,6 +4,8 @@ verified as a chain and counted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -70,3 +72,40 @@ def test_rows_of_logits_and_draw_positions():
     assert step.draw_positions()[1, :5].tolist() == (21 + step.tree.depths[1, :5]).tolist()
     assert step.node_rows()[1, :5].tolist() == [10, 11, 12, 13, 14]
     assert step.node_rows()[0].tolist() == [9] * step.tree.nodes_per_request
+
+
+def test_whole_proposed_trees_are_taken_as_built_by_the_general_path():
+    """When the batch is the drafter's batch in its order and every tree was scheduled whole, the step
+    reuses the drafter's tensors (`Proposals.whole`); the step equals the one gathered request by
+    request (the same store entries offered in another order, then put back in order)."""
+    trees = proposed_trees([5, 5], budget=5)
+    trees = dataclasses.replace(trees, num_nodes=torch.tensor([6, 6]))
+    args = (np.array([0, 6]), np.array([7, 30]), np.array([5, 5]), token_rows([7, 30], trees, [0, 1], [5, 5]))
+    fast_store, slow_store = Proposals(), Proposals()
+    fast_store.add(trees, ["a", "b"])
+    slow_store.add(trees, ["a", "b"])
+    assert slow_store.whole(["b", "a"], np.array([6, 6])) is None  # another order: not whole
+    fast = TreeStep.build(["a", "b"], *args, fast_store)
+    general = TreeStep.build(["a", "b"], *args, _GatherOnly(slow_store))
+    assert fast_store.whole(["a", "b"], np.array([6, 6])) is None  # taken
+    for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
+        assert torch.equal(getattr(fast.tree, name), getattr(general.tree, name)), name
+    assert fast.tree.max_depth == general.tree.max_depth
+    assert torch.equal(fast.ancestor_mask, general.ancestor_mask) and fast.num_chain_fallbacks == general.num_chain_fallbacks == 0
+    mismatch = token_rows([7, 30], trees, [0, 1], [5, 5])
+    mismatch[1, 32] = 99
+    store = Proposals()
+    store.add(trees, ["a", "b"])
+    step = TreeStep.build(["a", "b"], *args[:3], mismatch, store)
+    assert step.num_chain_fallbacks == 1 and torch.equal(step.tree.parents[0], trees.parents[0])  # b alone, as the general path
+
+
+class _GatherOnly(Proposals):
+    """A store that never hands out the drafter's tree whole: the general, per-request path."""
+
+    def __init__(self, store: Proposals) -> None:
+        super().__init__()
+        self._latest = store._latest
+
+    def whole(self, req_ids, num_nodes):
+        return None

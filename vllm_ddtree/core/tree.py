@@ -18,7 +18,9 @@ Batched algorithm (no per-request Python loop, no host sync). Depth by depth, ke
 every layer member extends a member of the previous layer. The candidate (parent of layer position i,
 token of rank j) is preceded in key order by all (i' <= i, j' <= j), so only the pairs with
 (i+1)(j+1) <= budget are scored. Keys pack (score, tie-breaker) into one unique int64, so a plain
-top-k gives each new layer in key order, and one last top-k over all layers picks the tree.
+top-k gives each new layer in key order, and one last top-k over all layers picks the tree. Host
+tensors run the same steps in numpy (`_build_on_host`: numpy's per-op cost is a fraction of torch's on
+arrays of a few hundred entries); device tensors in torch (`_build_batched`). Both give the same trees.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 SCORE_BITS = 20
@@ -83,6 +86,24 @@ def _candidate_pairs(budget: int, topk: int, device: str) -> tuple[torch.Tensor,
     return parent_idx.to(device), child_rank.to(device)
 
 
+@lru_cache(maxsize=64)
+def _layout(budget: int, topk: int, max_depth: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Constants of one (budget, topk, max_depth): the within-depth tie-breakers [P]; the across-depth
+    tie-breakers of the flat node space [1, L, budget]; the flat index, minus 1, of the previous layer's
+    first node per depth [1, L, 1] (a parent at layer position i of depth d-1 is flat 1 + (d-2)*budget + i);
+    the depth of every flat node [1, 1 + L * budget]; and 0 .. budget [budget + 1]."""
+    num_pairs = _candidate_pairs(budget, topk, device)[0].numel()
+    node_space = max_depth * budget
+    depth_of = torch.arange(1, max_depth + 1, device=device).view(1, max_depth, 1)
+    return (
+        num_pairs - 1 - torch.arange(num_pairs, device=device),
+        node_space - 1 - torch.arange(node_space, device=device).view(1, max_depth, budget),
+        1 + (depth_of - 2) * budget,
+        torch.cat([torch.zeros((1, 1), dtype=torch.long, device=device), depth_of.expand(1, max_depth, budget).flatten(1)], 1),
+        torch.arange(budget + 1, device=device),
+    )
+
+
 def fixed_point_logprobs(top_logprobs: torch.Tensor) -> torch.Tensor:
     """Log-probs as int64 multiples of 2^-SCORE_BITS nats, floored at MIN_LOGPROB; -inf -> NEG_INF."""
     floored = top_logprobs.to(torch.float64).clamp(min=MIN_LOGPROB)
@@ -123,10 +144,19 @@ def build_draft_trees(
     topk = min(topk, budget)
     if topk == 1:
         return _chain_tree(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
+    if device.type == "cpu":
+        return _build_on_host(root, top_logprobs, top_token_ids, budget, topk)
+    return _build_batched(root, top_logprobs, top_token_ids, budget, topk)
+
+
+def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
+    """The builder in torch ops, for device tensors (one launch per op, no host sync)."""
+    num_req, max_depth, _ = top_logprobs.shape
+    device = top_logprobs.device
     parent_pos, token_rank = _candidate_pairs(budget, topk, str(device))
     num_pairs = parent_pos.numel()
     # Within-depth key of candidate p: score * num_pairs + (num_pairs - 1 - p); scores enter scaled.
-    tie_breaker = num_pairs - 1 - torch.arange(num_pairs, device=device)
+    tie_breaker, tie, parent_base, depth_flat, final_index = _layout(budget, topk, max_depth, str(device))
     pair_logprobs = fixed_point_logprobs(top_logprobs[:, :, :topk]).index_select(2, token_rank)  # [R, L, P]
     pair_keys = (pair_logprobs.transpose(0, 1) * num_pairs + tie_breaker).contiguous()  # [L, R, P]
     floor_key = NEG_INF * num_pairs
@@ -146,21 +176,18 @@ def build_draft_trees(
     scores = torch.stack(layer_scores, 1).div_(num_pairs, rounding_mode="floor")  # [R, L, budget]
     choices = torch.stack(layer_choices, 1)
     node_space = max_depth * budget
-    depth_of = torch.arange(1, max_depth + 1, device=device).view(1, max_depth, 1)
-    tie = node_space - 1 - torch.arange(node_space, device=device).view(1, max_depth, budget)
     keys = torch.cat([torch.full((num_req, 1), torch.iinfo(torch.long).max, device=device), (scores * node_space + tie).flatten(1)], 1)
     top = torch.topk(keys, budget + 1, dim=1)
     order = top.indices
     valid = top.values >= (INVALID_SCORE + 1) * node_space
 
     choice_parent, choice_rank = parent_pos.take(choices), token_rank.take(choices)
-    parent_flat = torch.cat([torch.full((num_req, 1), -1, device=device), (choice_parent + 1 + (depth_of - 2) * budget).clamp(min=0).flatten(1)], 1)
+    parent_flat = torch.cat([torch.full((num_req, 1), -1, device=device), (choice_parent + parent_base).clamp_(min=0).flatten(1)], 1)
     rank_flat = torch.cat([torch.zeros((num_req, 1), dtype=torch.long, device=device), choice_rank.flatten(1)], 1)
-    depth_flat = torch.cat([torch.zeros((1, 1), dtype=torch.long, device=device), depth_of.expand(1, max_depth, budget).flatten(1)], 1)
     token_flat = torch.cat([root, top_token_ids[:, :, :topk].gather(2, choice_rank).flatten(1)], 1)
 
     final_of_flat = torch.full_like(keys, -1)
-    final_of_flat.scatter_(1, order, torch.arange(budget + 1, device=device).expand(num_req, budget + 1))
+    final_of_flat.scatter_(1, order, final_index.expand(num_req, budget + 1))
     parents = final_of_flat.gather(1, parent_flat.gather(1, order).clamp(min=0))
     parents[:, 0] = -1
     return DraftTree(
@@ -170,6 +197,58 @@ def build_draft_trees(
         ranks=torch.where(valid, rank_flat.gather(1, order), 0),
         valid=valid,
         num_nodes=valid.sum(1),
+        max_depth=max_depth,
+    )
+
+
+def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
+    """`_build_batched` step for step in numpy, for host tensors: the same keys and selections (a
+    descending argsort for each top-k; keys of built nodes are unique, so both pick the same nodes), at
+    numpy's per-op cost, a fraction of torch's on arrays this small."""
+    num_req, max_depth, _ = top_logprobs.shape
+    parent_pos, token_rank = (t.numpy() for t in _candidate_pairs(budget, topk, "cpu"))
+    num_pairs = parent_pos.size
+    tie_breaker, tie, parent_base, depth_flat, final_index = (t.numpy() for t in _layout(budget, topk, max_depth, "cpu"))
+    logprobs = top_logprobs[:, :, :topk].to(torch.float64).numpy()
+    fixed = np.round(np.maximum(logprobs, MIN_LOGPROB) * (1 << SCORE_BITS)).astype(np.int64)
+    fixed[logprobs == -np.inf] = NEG_INF
+    pair_keys = fixed[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
+    floor_key = NEG_INF * num_pairs
+    rows = np.arange(num_req)[:, None]
+
+    scaled_score = np.full((num_req, budget), floor_key, dtype=np.int64)
+    scaled_score[:, 0] = 0
+    scores, choices = np.empty((max_depth, num_req, budget), dtype=np.int64), np.empty((max_depth, num_req, budget), dtype=np.int64)
+    for depth in range(max_depth):
+        key = np.maximum(scaled_score[:, parent_pos] + pair_keys[:, depth], floor_key)
+        choice = key.argsort(1)[:, : -budget - 1 : -1]
+        scaled_score = key[rows, choice] - tie_breaker[choice]
+        scores[depth], choices[depth] = scaled_score, choice
+    scores, choices = scores.transpose(1, 0, 2), choices.transpose(1, 0, 2)  # [R, L, budget]
+
+    node_space = max_depth * budget
+    keys = np.concatenate([np.full((num_req, 1), np.iinfo(np.int64).max), (scores // num_pairs * node_space + tie).reshape(num_req, -1)], 1)
+    order = keys.argsort(1)[:, : -budget - 2 : -1]
+    valid = keys[rows, order] >= (INVALID_SCORE + 1) * node_space
+
+    choice_rank = token_rank[choices]
+    parent_flat = np.concatenate([np.full((num_req, 1), -1), np.maximum(parent_pos[choices] + parent_base, 0).reshape(num_req, -1)], 1)
+    rank_flat = np.concatenate([np.zeros((num_req, 1), dtype=np.int64), choice_rank.reshape(num_req, -1)], 1)
+    roots = root.numpy()
+    tokens = top_token_ids[:, :, :topk].numpy()
+    token_flat = np.concatenate([roots, tokens[rows[:, :, None], np.arange(max_depth)[:, None], choice_rank].reshape(num_req, -1)], 1)
+
+    final_of_flat = np.full(keys.shape, -1, dtype=np.int64)
+    final_of_flat[rows, order] = final_index
+    parents = final_of_flat[rows, np.maximum(parent_flat[rows, order], 0)]
+    parents[:, 0] = -1
+    return DraftTree(
+        token_ids=torch.from_numpy(np.where(valid, token_flat[rows, order], roots).astype(np.int64)),
+        parents=torch.from_numpy(np.where(valid, parents, -1)),
+        depths=torch.from_numpy(np.where(valid, depth_flat[0, order], 0)),
+        ranks=torch.from_numpy(np.where(valid, rank_flat[rows, order], 0)),
+        valid=torch.from_numpy(valid),
+        num_nodes=torch.from_numpy(valid.sum(1)),
         max_depth=max_depth,
     )
 

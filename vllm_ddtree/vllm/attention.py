@@ -85,43 +85,42 @@ class TreeAttention:
         """The masks of a step's branching trees; block_table [num_reqs, max blocks] maps a request's
         positions to cache blocks (position p lives in block block_table[p // block_size], row
         p % block_size)."""
-        num_req, width = rows.valid.shape
-        starts = rows.starts
-        window_blocks = (starts + rows.num_nodes + block_size - 1) // block_size
+        # Host-side numpy: a handful of small arrays per step, where torch's per-op cost dominates.
+        starts, num_nodes, valid = rows.starts.numpy(), rows.num_nodes.numpy(), rows.valid.numpy()
+        num_req, width = valid.shape
+        window_blocks = (starts + num_nodes + block_size - 1) // block_size
         tail_first = starts // block_size  # first window block holding a node
-        tail_blocks = window_blocks - tail_first
         # Tail positions of every request, padded to the longest tail: tail_first * block_size + offset.
-        pos = (tail_first * block_size).unsqueeze(1) + torch.arange(int(tail_blocks.max()) * block_size).unsqueeze(0)
-        column = pos - starts.unsqueeze(1)  # node index of a tail position, < 0 in the prefix
-        in_tree = (column >= 0) & (column < rows.num_nodes.unsqueeze(1))
-        ancestors = rows.ancestor_mask.gather(2, column.clamp(0, width - 1).unsqueeze(1).expand(-1, width, -1))
-        mask = (column < 0).unsqueeze(1) | (ancestors & in_tree.unsqueeze(1))
-        mask = torch.where(rows.valid.unsqueeze(2), mask, mask[:, :1])
-        bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))  # [T, N, tail positions]
-        bias = bias.unflatten(2, (-1, block_size)).permute(0, 2, 1, 3).unsqueeze(2).unsqueeze(2)  # [T, K, 1, 1, N, bs]
+        pos = (tail_first * block_size)[:, None] + np.arange(int((window_blocks - tail_first).max()) * block_size)
+        column = pos - starts[:, None]  # node index of a tail position, < 0 in the prefix
+        in_tree = (column >= 0) & (column < num_nodes[:, None])
+        ancestors = rows.ancestor_mask.numpy()[np.arange(num_req)[:, None, None], np.arange(width)[:, None], column.clip(0, width - 1)[:, None]]
+        mask = (column < 0)[:, None] | (ancestors & in_tree[:, None])
+        mask = np.where(valid[:, :, None], mask, mask[:, :1])
+        bias = np.where(mask, np.float32(0), np.float32("-inf"))  # [T, N, tail positions]
+        bias = bias.reshape(num_req, width, -1, block_size).transpose(0, 2, 1, 3)[:, :, None, None]  # [T, K, 1, 1, N, bs]
         table = block_table.numpy()
         runs = []
-        for t, (req, blocks, first_tail) in enumerate(zip(rows.req_indices.tolist(), window_blocks.tolist(), tail_first.tolist())):
-            ids = table[req, :blocks].astype(np.int64)
-            breaks = np.flatnonzero(np.diff(ids) != 1) + 1
-            bounds = [0, *breaks.tolist(), blocks]
+        for t, (req, blocks, first_tail) in enumerate(np.stack([rows.req_indices.numpy(), window_blocks, tail_first], 1).tolist()):
+            ids = table[req, :blocks]
+            bounds = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), blocks]
             request_runs = []
             for lo, hi in zip(bounds[:-1], bounds[1:]):
                 masked = max(0, hi - max(first_tail, lo))  # the run's last blocks that hold nodes
                 end = hi - first_tail
-                request_runs.append(WindowRun(int(ids[lo]), hi - lo, hi - lo - masked, bias[t, end - masked : end] if masked else bias[t, :0]))
+                request_runs.append(WindowRun(int(ids[lo]), hi - lo, hi - lo - masked, torch.from_numpy(bias[t, end - masked : end])))
             runs.append(tuple(request_runs))
-        query_rows = rows.node_rows.flatten()
-        valid_nodes = rows.valid.flatten().nonzero().squeeze(1)
+        query_rows = rows.node_rows.numpy().ravel()
+        valid_nodes = np.flatnonzero(valid)
         first_row = int(query_rows[0])
-        consecutive = bool((query_rows == torch.arange(first_row, first_row + query_rows.numel())).all())
+        consecutive = bool((query_rows == np.arange(first_row, first_row + query_rows.size)).all())
         return cls(
-            query_rows=query_rows,
+            query_rows=torch.from_numpy(query_rows),
             runs=tuple(runs),
-            valid_nodes=valid_nodes,
-            valid_rows=query_rows.index_select(0, valid_nodes),
+            valid_nodes=torch.from_numpy(valid_nodes),
+            valid_rows=torch.from_numpy(query_rows[valid_nodes]),
             first_row=first_row if consecutive else None,
-            all_valid=valid_nodes.numel() == query_rows.numel(),
+            all_valid=valid_nodes.size == query_rows.size,
         )
 
 

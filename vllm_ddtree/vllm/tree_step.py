@@ -13,6 +13,10 @@ Lifecycle (the runner owns at most one `TreeStep`, `DDTreeRunnerMixin.step`):
    trees become the next step's `Proposals`.
 The step is replaced by the next step's `build` (tests and benchmarks read it in between).
 
+When the batch is exactly the drafter's batch, in its order, and every tree was scheduled whole (the
+common case), the step takes the drafter's `DraftTree` as it is (`Proposals.whole`) instead of gathering
+it back request by request.
+
 The scheduler knows drafts only as flat token lists: the proposer hands it each tree's nodes in index
 order (root excluded), so any prefix the scheduler keeps (token budget, max_model_len) is still a
 prefix-closed tree (parents precede children). The trees themselves stay tensors (`Proposals`, each
@@ -27,6 +31,7 @@ start + depth(i).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -65,6 +70,19 @@ class Proposals:
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._latest.pop(req_id, None)
+
+    def whole(self, req_ids: list[str], num_nodes: np.ndarray) -> DraftTree | None:
+        """The drafter's batched tree itself when it is exactly these requests' trees: one `DraftTree`
+        whose row r is req_ids[r], every tree scheduled whole (num_nodes [R] its node counts); else None.
+        Nothing is removed (`drop` once it is used)."""
+        entries = [self._latest.get(req_id) for req_id in req_ids]
+        first = entries[0]
+        if first is None or first[0].num_requests != len(req_ids):
+            return None
+        trees = first[0]
+        if any(entry is None or entry[0] is not trees or entry[1] != row for row, entry in enumerate(entries)):
+            return None
+        return trees if np.array_equal(trees.num_nodes.numpy(), num_nodes) else None
 
     def take(self, req_ids: list[str], width: int) -> ProposedTrees:
         """The trees of `req_ids` (removed from the store: a scheduled request is proposed anew), cut or
@@ -164,6 +182,12 @@ class TreeStep:
         valid = offsets[None, :] < num_nodes[:, None]
         columns = starts[:, None] + np.where(valid, offsets[None, :], 0)
         tokens = torch.from_numpy(np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64))
+        whole = proposals.whole(req_ids, num_nodes) if num_drafts.all() else None
+        if whole is not None:
+            step = cls._from_proposed(whole, width, tokens, root_rows, starts, num_drafts)
+            if step is not None:
+                proposals.drop(req_ids)
+                return step
         chain = torch.arange(-1, width - 1).expand(num_req, width)
         parents, depths, ranks = chain.clone(), (chain + 1).clone(), torch.zeros(num_req, width, dtype=torch.long)
         valid_t = torch.from_numpy(valid)
@@ -198,6 +222,34 @@ class TreeStep:
         )
 
     @classmethod
+    def _from_proposed(
+        cls, trees: DraftTree, width: int, tokens: torch.Tensor, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray
+    ) -> TreeStep | None:
+        """The step's trees are the proposed ones (every request drafted and scheduled its whole tree,
+        in the drafter's order): its columns up to `width` (the rest are padding), when the scheduled
+        tokens [R, width] are the trees' (else None: `build` verifies the mismatches as chains)."""
+        valid = trees.valid[:, :width]
+        if not bool(((trees.token_ids[:, :width] == tokens) | ~valid).all()):
+            return None
+        depths = trees.depths[:, :width]
+        tree = DraftTree(
+            token_ids=trees.token_ids[:, :width],
+            parents=trees.parents[:, :width],
+            depths=depths,
+            ranks=trees.ranks[:, :width],
+            valid=valid,
+            num_nodes=trees.num_nodes,
+            max_depth=int(depths.max()),
+        )
+        return cls(
+            root_rows=torch.from_numpy(root_rows).long(),
+            starts=torch.from_numpy(starts).long(),
+            num_drafts=torch.from_numpy(num_drafts).long(),
+            tree=tree,
+            ancestor_mask=tree_attention_mask(tree),
+        )
+
+    @classmethod
     def roots_alone(cls, root_rows: np.ndarray, starts: np.ndarray, token_ids: np.ndarray) -> TreeStep:
         """A step without drafts (prefills, steps without speculation): every tree is its root alone."""
         num_req = len(root_rows)
@@ -226,33 +278,49 @@ class TreeStep:
         return self.num_drafts > 0
 
     def node_rows(self) -> torch.Tensor:
-        """[R, N] batch row of every node (padded nodes: the root's row)."""
+        """[R, N] batch row of every node (padded nodes: the root's row). Computed once per step."""
+        return self._node_rows
+
+    def branching(self) -> torch.Tensor:
+        """[R] bool: the request's tree is not a chain (some node's parent is not the node before it).
+        Computed once per step."""
+        return self._branching
+
+    @functools.cached_property
+    def _node_rows(self) -> torch.Tensor:
         offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
         return self.root_rows.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
 
-    def branching(self) -> torch.Tensor:
-        """[R] bool: the request's tree is not a chain (some node's parent is not the node before it)."""
+    @functools.cached_property
+    def _branching(self) -> torch.Tensor:
         previous = torch.arange(-1, self.tree.nodes_per_request - 1).unsqueeze(0)
         return ((self.tree.parents != previous) & self.tree.valid).any(1)
 
     def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
         (every other row already has its linear position)."""
-        select = self._branching_valid()
-        return self.node_rows()[select], (self.starts.unsqueeze(1) + self.tree.depths)[select]
+        return self._select_nodes(self.starts.unsqueeze(1) + self.tree.depths)
 
     def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, positions) of the branching trees' nodes once each window is read as a chain:
         start + i (what the drafter expects after `plan` put the accepted path first)."""
-        select = self._branching_valid()
         offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
-        return self.node_rows()[select], (self.starts.unsqueeze(1) + offsets).expand_as(select)[select]
+        return self._select_nodes((self.starts.unsqueeze(1) + offsets).expand_as(self.tree.valid))
 
     def attention_rows(self) -> TreeRows | None:
         """The branching trees' rows for the tree attention; None when every tree is a chain."""
         branching = self.branching()
         if not bool(branching.any()):
             return None
+        if bool(branching.all()):
+            return TreeRows(
+                req_indices=torch.arange(branching.numel()),
+                starts=self.starts,
+                num_nodes=self.tree.num_nodes,
+                valid=self.tree.valid,
+                ancestor_mask=self.ancestor_mask,
+                node_rows=self.node_rows(),
+            )
         return TreeRows(
             req_indices=branching.nonzero().squeeze(1),
             starts=self.starts[branching],
@@ -273,5 +341,10 @@ class TreeStep:
         """[R, N] the sequence position of the token each node draws: root position + depth + 1."""
         return self.starts.unsqueeze(1) + self.tree.depths + 1
 
-    def _branching_valid(self) -> torch.Tensor:
-        return self.tree.valid & self.branching().unsqueeze(1)
+    def _select_nodes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, values [R, N] of those rows) of the branching trees' valid nodes (flattened directly when
+        that is every node: boolean selection is the slow path on CPU)."""
+        select = self.tree.valid & self.branching().unsqueeze(1)
+        if bool(select.all()):
+            return self.node_rows().flatten(), values.flatten()
+        return self.node_rows()[select], values[select]
