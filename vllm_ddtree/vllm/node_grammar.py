@@ -68,6 +68,30 @@ class _RequestGrammar:
     backend: StructuredOutputBackend
     consumed: int = 0
     broken: bool = False
+    proposal: _ProposedMasks | None = None
+    """The node bitmasks `filtered_trees` computed for the request's latest tree (used at most once)."""
+
+
+@dataclass(frozen=True)
+class _ProposedMasks:
+    """A grammar-filtered tree's node bitmasks, as the verify step masks them, computed when the tree
+    was built: valid for a verify step whose tree is a prefix of it (same tokens and parents, so the
+    same paths; the scheduler may cut a tree) once the output is `output_length` tokens long (the state
+    the tree was built from). bitmask [count, W]: a stop token's row all set (unconstrained)."""
+
+    output_length: int
+    token_ids: list[int]
+    parents: list[int]
+    bitmask: torch.Tensor
+
+    def masks_for(self, step: TreeStep, index: int, count: int, output_length: int) -> torch.Tensor | None:
+        """[count, W] for request `index` of `step`, or None unless the step verifies a prefix of this tree."""
+        if output_length != self.output_length or count > len(self.token_ids):
+            return None
+        tree = step.tree
+        if tree.token_ids[index, :count].tolist() != self.token_ids[:count] or tree.parents[index, :count].tolist() != self.parents[:count]:
+            return None
+        return self.bitmask[:count]
 
 
 class NodeGrammars:
@@ -101,7 +125,9 @@ class NodeGrammars:
             if node_rows is None:
                 node_rows = step.node_logit_rows()
             count = int(step.tree.num_nodes[index])
-            masks.append(_node_bitmasks(req_id, entry, step, index, count))
+            proposal, entry.proposal = entry.proposal, None
+            reused = None if proposal is None else proposal.masks_for(step, index, count, entry.consumed)
+            masks.append(reused if reused is not None else _node_bitmasks(req_id, entry, step, index, count))
             rows += node_rows[index, :count].tolist()
         if rows:
             _apply_bitmask_(logits, torch.cat(masks), torch.tensor(rows))
@@ -138,9 +164,12 @@ class NodeGrammars:
                 continue  # the request stops here (or its grammar disagrees: vLLM's scheduler ends it)
             entry.grammar.accept_tokens(req_id, new)
             try:
-                rebuilt[index] = _filtered_tree(req_id, entry, stops, int(trees.token_ids[index, 0]), top_logprobs[index], top_token_ids[index], budget)
+                tree, bitmask = _filtered_tree(req_id, entry, stops, int(trees.token_ids[index, 0]), top_logprobs[index], top_token_ids[index], budget)
             finally:
                 entry.grammar.rollback(len(new))
+            rebuilt[index] = tree
+            count = int(tree.num_nodes[0])
+            entry.proposal = _ProposedMasks(entry.consumed + len(new), tree.token_ids[0, :count].tolist(), tree.parents[0, :count].tolist(), bitmask)
         if not rebuilt:
             return trees
         fields = {name: getattr(trees, name).clone() for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")}
@@ -211,8 +240,9 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: i
 
 def _filtered_tree(
     req_id: str, entry: _RequestGrammar, stops: set[int], root: int, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int
-) -> DraftTree:
-    """One request's best-first tree among the candidates its grammar (at the root's state) admits."""
+) -> tuple[DraftTree, torch.Tensor]:
+    """One request's best-first tree among the candidates its grammar (at the root's state) admits, and
+    its nodes' bitmasks [num_nodes, W] as the verify step applies them (`_ProposedMasks`)."""
     grammar = entry.grammar
     root_mask = entry.backend.allocate_token_bitmask(1)
     grammar.fill_bitmask(root_mask, 0)
@@ -233,7 +263,11 @@ def _filtered_tree(
         paths.append(path)
         return True
 
-    return build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)
+    tree = build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)
+    bitmask = torch.stack(masks)
+    stop_nodes = [node for node, path in enumerate(paths) if path and path[-1] in stops]
+    bitmask[stop_nodes] = -1  # the grammar ended there: unconstrained, as `_node_bitmasks` leaves it
+    return tree, bitmask
 
 
 def _allows(bitmask_row: torch.Tensor, token: int) -> bool:
