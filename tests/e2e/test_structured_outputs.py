@@ -297,3 +297,39 @@ def test_preempted_structured_requests_equal_plain_decoding(pair_dirs):
     assert ddtree.metrics["vllm:num_preemptions"] > 0
     assert ddtree.token_ids == plain.token_ids
     assert ddtree.tokens_per_step > 1.5
+
+
+def test_filtered_tree_admits_only_grammar_paths_and_its_masks_are_the_walks(pair_dirs):
+    """`_filtered_tree` over a draft top-k mixing allowed, forbidden and stop tokens: every node's path
+    is grammar-valid, nothing follows a stop token, and the bitmasks it keeps for the verify step equal
+    the depth-first walk's (`_node_bitmasks`) on the same tree."""
+    import torch
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    from vllm_ddtree.vllm.node_grammar import _filtered_tree, _node_bitmasks, _RequestGrammar
+
+    target, _ = pair_dirs["trained"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    backend = XgrammarBackend(_fake_vllm_config(8), tokenizer=tokenizer, vocab_size=VOCAB)
+    key = get_structured_output_key(_kinds()["grammar"])
+    eos = tokenizer.eos_token_id
+    entry = _RequestGrammar(backend.compile_grammar(*key, stop_token_ids={eos}), backend)
+    committed = tokenizer.encode("def f(self")
+    assert entry.grammar.accept_tokens("r", committed)
+    candidates = [tokenizer.encode(text)[0] for text in ("):", ")", ",", " x", "(", "y", "z")] + [eos]
+    gen = torch.Generator().manual_seed(0)
+    top_logprobs = torch.randn(5, len(candidates), generator=gen).log_softmax(-1).sort(-1, descending=True).values
+    top_token_ids = torch.stack([torch.tensor(candidates)[torch.randperm(len(candidates), generator=gen)] for _ in range(5)])
+    tree, bitmask = _filtered_tree("r", entry, {eos}, committed[-1], top_logprobs, top_token_ids, 12)
+    count = int(tree.num_nodes[0])
+    tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
+    paths: list[list[int]] = [[]]
+    for node in range(1, count):
+        paths.append(paths[parents[node]] + [tokens[node]])
+        assert eos not in paths[node][:-1]
+        fresh = backend.compile_grammar(*key, stop_token_ids={eos})
+        assert fresh.accept_tokens("r", committed + paths[node]), paths[node]
+    assert 2 < count <= 13 and any(path and path[-1] == eos for path in paths)
+    assert torch.equal(bitmask, _node_bitmasks("r", entry, SimpleNamespace(tree=tree), 0, count))
