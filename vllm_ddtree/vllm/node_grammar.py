@@ -101,10 +101,14 @@ class NodeGrammars:
         self._vllm_config = vllm_config
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._grammars: dict[str, _RequestGrammar] = {}
+        self._uncompiled: set[str] = set()
+        """Requests whose grammar this runner could not compile (never expected: vLLM's scheduler
+        compiled the same one before scheduling them); served unmasked, ended by vLLM's grammar."""
 
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._grammars.pop(req_id, None)
+            self._uncompiled.discard(req_id)
 
     def mask_(self, logits: torch.Tensor, step: TreeStep, req_ids: list[str], requests: dict[str, Any]) -> None:
         """Mask in place the logits rows [rows, V] of every node of every structured request of the
@@ -117,8 +121,8 @@ class NodeGrammars:
         for index, req_id in enumerate(req_ids):
             state = requests[req_id]
             params = state.sampling_params
-            if params is None or params.structured_outputs is None:
-                continue
+            if params is None or params.structured_outputs is None or params.structured_outputs.all_constraints_none():
+                continue  # not a structured request for vLLM either (`StructuredOutputRequest.from_sampling_params`)
             entry = self._caught_up(req_id, params, state.output_token_ids)
             if entry is None:
                 continue
@@ -182,7 +186,14 @@ class NodeGrammars:
         """The request's grammar at the state after `output` (compiled on first use), None if broken."""
         entry = self._grammars.get(req_id)
         if entry is None:
-            entry = self._grammars[req_id] = self._compile(params)
+            if req_id in self._uncompiled:
+                return None
+            try:
+                entry = self._grammars[req_id] = self._compile(params)
+            except Exception:  # noqa: BLE001 - one request's grammar must not stop the engine
+                logger.exception("method 'ddtree': could not compile the grammar of request %s", req_id)
+                self._uncompiled.add(req_id)
+                return None
         if entry.broken:
             return None
         if entry.consumed > len(output):  # never expected (committed tokens stay): start over

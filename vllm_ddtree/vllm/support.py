@@ -7,7 +7,7 @@ so far: presence / frequency / repetition penalties, min_tokens, bad_words and a
 (every tree node is processed with its own history: the committed output plus its path,
 `node_logits`), min_p and logit_bias (vLLM 0.32 refuses both under any speculative method; a declared
 patch lifts that for 'ddtree' engines), and structured outputs (JSON schema, JSON object, regex,
-choice, grammar, structural tag) with the xgrammar or guidance backend (every tree node masked by the
+choice, grammar) with the xgrammar or guidance backend (every tree node masked by the
 grammar state after its path, `node_grammar`). Refused: logprobs of the whole vocabulary (-1),
 logprob_token_ids, structured outputs with another backend (outlines, lm-format-enforcer: not tested
 under trees) or under a reasoning parser without `enable_in_reasoning` (vLLM starts such a grammar
