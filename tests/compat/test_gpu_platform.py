@@ -87,3 +87,13 @@ def test_gpu_worker_builds_our_runner_and_refuses_v2() -> None:
         worker.use_v2_model_runner = True
         with pytest.raises(ValueError, match="V1 model runner"):
             gpu_worker.DDTreeGPUWorker._make_model_runner(worker)
+
+
+@pytest.mark.parametrize(("mode", "refused"), [("FULL", True), ("FULL_AND_PIECEWISE", False), ("FULL_DECODE_ONLY", False), ("PIECEWISE", False), ("NONE", False)])
+def test_full_cuda_graphs_for_every_batch_are_refused(mode: str, refused: bool) -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.vllm.config import _full_graphs_for_mixed_batches
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode[mode]))
+    assert _full_graphs_for_mixed_batches(config) is refused

@@ -352,11 +352,24 @@ def check_engine_config(vllm_config: Any) -> None:
         raise ValueError(_NO_MOE_DATA_PARALLELISM.format(dp=parallel.data_parallel_size, name=name))
     if parallel.use_ray:  # a Ray backend vLLM chose itself (e.g. Ray already initialized in this process)
         raise ValueError(_NO_RAY)
+    if _full_graphs_for_mixed_batches(vllm_config):
+        raise ValueError(
+            "method 'ddtree' does not support cudagraph_mode FULL: it would replay mixed batches (prefills beside "
+            "trees) as full CUDA graphs, and their tree rows are recomputed eagerly (only uniform verify batches are "
+            "captured with their tree masks); use the default FULL_AND_PIECEWISE, or FULL_DECODE_ONLY or PIECEWISE"
+        )
     if vllm_config.use_v2_model_runner:
         raise ValueError(
             "method 'ddtree' needs vLLM's V1 model runner, but vLLM chose its V2 model runner for this engine; "
             "set VLLM_USE_V2_MODEL_RUNNER=0"
         )
+
+
+def _full_graphs_for_mixed_batches(vllm_config: Any) -> bool:
+    """Whether CUDA graphs run in mode FULL (every batch a full graph, mixed ones included)."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    return vllm_config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL
 
 
 def _check_hybrid_target(vllm_config: Any, name: str, serve_elsewhere: str) -> None:
