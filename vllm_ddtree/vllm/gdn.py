@@ -13,6 +13,9 @@ of the request's block-table row in the layer's KV cache group) and one rolling 
   inputs and its last state move to where vLLM's num_accepted logic reads them next step.
 Prefills and other non-speculative rows stay on vLLM's path. The trees reach the layers on their
 attention metadata (`attach_gdn_trees` sets `GDNTREES_ATTR` on each GDN metadata object of the step).
+The layer's caches and conv weight are read through vLLM's own helpers (`_conv_buffer_view`,
+`_unpacked_conv_weight`: the weight is packed in place on CPUs with bf16 dot products and vLLM keeps an
+unpacked copy for its spec path), so both paths read them alike.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import _conv_buffer_view, _unpacked_conv_weight
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
@@ -70,21 +73,6 @@ def attach_gdn_trees(attn_metadata: dict[str, Any], tree: DraftTree, num_reqs: i
         if isinstance(metadata, GDNAttentionMetadata) and metadata.spec_sequence_masks_cpu is not None:
             rows = metadata.spec_sequence_masks_cpu[:num_reqs].nonzero().squeeze(1)
             setattr(metadata, GDNTREES_ATTR, GDNTrees(tree.parents[rows], tree.depths[rows]))
-
-
-def conv_buffer_view(layer: Any) -> torch.Tensor:
-    """The layer's conv buffers as (num_slots, dim, state_len) (vLLM's `_conv_buffer_view`)."""
-    conv = layer.kv_cache[0]
-    return conv if is_conv_state_dim_first() else conv.transpose(-1, -2)
-
-
-def _unpacked_conv_weight(layer: Any) -> torch.Tensor:
-    """The plain (dim, width) conv weight (vLLM packs it in place on AMX / aarch64 bf16 and stashes a copy)."""
-    weight = getattr(layer.conv1d, "_cpu_unpacked_conv_weight", None)
-    if weight is not None:
-        return weight
-    weight = layer.conv1d.weight
-    return weight.view(weight.size(0), weight.size(2)) if weight.dim() == 3 else weight
 
 
 def tree_spec_forward(
@@ -145,5 +133,5 @@ def compact_gdn_states(runner: Any, recurrent_groups: list[int], acceptance: Tre
         slots = runner.input_batch.block_table[group].get_cpu_tensor()[rows, : num_spec + 1].long()
         for name in runner.kv_cache_config.kv_cache_groups[group].layer_names:
             layer = forward_context[name]
-            compact_conv_windows_(conv_buffer_view(layer), slots[:, 0], acceptance, _unpacked_conv_weight(layer).shape[-1])
+            compact_conv_windows_(_conv_buffer_view(layer), slots[:, 0], acceptance, _unpacked_conv_weight(layer).shape[-1])
             compact_recurrent_states_(layer.kv_cache[1], slots, acceptance)
