@@ -5,7 +5,8 @@ text prompts, budget 16, once per backend method 'ddtree' serves (xgrammar, vLLM
 guidance). Per backend, one plain engine and one ddtree engine (the plain one first: `engine_runs`
 rule) serve the same script: one `generate` call per grammar kind (JSON schema, JSON object, regex,
 choice, EBNF grammar), greedy, then one mixed batch (every kind, an unconstrained request, a regex
-request with logprobs, a penalised request with logprobs, and seeded sampled requests of every kind).
+request with logprobs, a penalised request with logprobs, a penalised JSON-schema request with logprobs,
+and seeded sampled requests of every kind).
 Checked: greedy tokens equal plain decoding's under the same grammar, every output is valid, the
 logprobs of a grammar-masked request and of a penalised one equal plain decoding's, and trees still
 accept more than one token per step where the draft is informative (each kind's tokens per step are
@@ -128,14 +129,15 @@ def _serve(llm, texts: list[str]) -> dict:
         }
     kinds = _kinds()
     mixed_params = [_greedy(structured) for structured in kinds.values()]
-    mixed_params += [_greedy(None, ignore_eos=True), _greedy(kinds["regex"], logprobs=3), _greedy(None, logprobs=3, **PENALTIES)]
+    mixed_params += [_greedy(None, ignore_eos=True), _greedy(kinds["regex"], logprobs=3), _greedy(None, logprobs=3, **PENALTIES),
+                     _greedy(kinds["json schema"], logprobs=3, repetition_penalty=1.3, presence_penalty=0.5)]
     mixed_params += [SamplingParams(temperature=0.8, seed=7 + i, max_tokens=MAX_TOKENS, structured_outputs=s) for i, s in enumerate(kinds.values())]
     mixed_texts = [texts[i % len(texts)] for i in range(len(mixed_params))]
     outs = llm.generate(mixed_texts, mixed_params, use_tqdm=False)
     result["mixed"] = [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
     result["logprobs"] = {
         name: [{token: lp.logprob for token, lp in position.items()} for position in outs[len(kinds) + offset].outputs[0].logprobs]
-        for name, offset in (("regex", 1), ("penalties", 2))
+        for name, offset in (("regex", 1), ("penalties", 2), ("json schema + penalties", 3))
     }
     return result
 
@@ -175,17 +177,18 @@ def test_greedy_under_a_grammar_equals_plain_decoding_and_is_valid(served, valid
 def test_mixed_batch_equals_plain_decoding_and_samples_are_valid(served, valid):
     kinds = list(_kinds())
     ours, plain = served["ddtree"]["mixed"], served["plain"]["mixed"]
-    greedy = len(kinds) + 3
+    greedy = len(kinds) + 4
     assert ours[:greedy] == plain[:greedy]
     for kind, output in zip(kinds, ours[greedy:]):
         assert valid(kind, output), (kind, output)
     assert ours[len(kinds)][0] != ours[0][0]  # the unconstrained request is not held by a neighbour's grammar
 
 
-@pytest.mark.parametrize("request_kind", ["regex", "penalties"])
+@pytest.mark.parametrize("request_kind", ["regex", "penalties", "json schema + penalties"])
 def test_logprobs_equal_plain_decoding(served, request_kind):
     """Raw logprobs (the default mode) of a grammar-masked request (masked logits, as plain decoding
-    reports them) and of a penalised one (its tokens follow the penalties)."""
+    reports them), of a penalised one (its tokens follow the penalties) and of one with both (the
+    grammar's mask first, then the penalties, at every node)."""
     ours, plain = served["ddtree"]["logprobs"][request_kind], served["plain"]["logprobs"][request_kind]
     assert len(ours) == len(plain) > 0
     for mine, theirs in zip(ours, plain):
@@ -333,3 +336,21 @@ def test_filtered_tree_admits_only_grammar_paths_and_its_masks_are_the_walks(pai
         assert fresh.accept_tokens("r", committed + paths[node]), paths[node]
     assert 2 < count <= 13 and any(path and path[-1] == eos for path in paths)
     assert torch.equal(bitmask, _node_bitmasks("r", entry, SimpleNamespace(tree=tree), 0, count))
+
+
+def test_default_adaptive_budget_under_grammars_equals_plain_decoding(pair_dirs):
+    """The default configuration (adaptive budget, B = 32: the policy picks each step's shape, from no
+    speculation through chains to trees, and grammar-filtered trees are built at whatever shape it
+    picks) under every grammar kind in one batch."""
+    from tests.e2e.conftest import run_engine
+    from vllm_ddtree.demo import heldout_prompts
+
+    target, draft = pair_dirs["trained"]
+    texts = heldout_prompts(NUM_PROMPTS, 48, as_text=True)
+    kinds = _kinds()
+    requests = [texts[i % NUM_PROMPTS] for i in range(len(kinds))]
+    params = [_greedy(structured) for structured in kinds.values()]
+    options = {"skip_tokenizer_init": False, "max_num_batched_tokens": 2048}
+    plain = run_engine(target, None, requests, params, **options)
+    ours = run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 32}, requests, params, **options)
+    assert ours.token_ids == plain.token_ids
