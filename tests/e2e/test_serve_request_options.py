@@ -7,7 +7,7 @@ environment's console script, multiprocess engine), with `--logprobs-mode proces
 logprobs it reports come after the penalties (the distribution each tree node is processed into).
 The references come from an in-process plain engine with the same settings, computed before the
 server starts. Checked: greedy completions under a regex, a choice, a JSON schema (`response_format`)
-and an EBNF grammar equal plain decoding's and are valid; a penalised greedy completion with top-5
+and an EBNF grammar equal plain decoding's and are valid (streamed too); a penalised greedy completion with top-5
 logprobs has plain decoding's tokens, and its logprobs are plain decoding's within float tolerance.
 """
 
@@ -160,3 +160,16 @@ def test_penalised_completion_logprobs_equal_plain_decoding(server_url, referenc
         for position, expected in zip(mine, theirs):
             assert position.keys() == expected.keys()
             assert all(position[t] == pytest.approx(expected[t], abs=1e-4) for t in position), (position, expected)
+
+
+def test_streamed_structured_completion_equals_plain_decoding(server_url, references):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server_url}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    extra = {"structured_outputs": {"regex": REGEX}, "return_token_ids": True}
+    for text, (_, want, _) in zip(_texts(), references["regex"]):
+        streamed: list[int] = []
+        for chunk in client.completions.create(model=model, prompt=text, max_tokens=MAX_TOKENS, temperature=0.0, stream=True, extra_body=extra):
+            streamed += chunk.choices[0].token_ids or []
+        assert streamed == want
