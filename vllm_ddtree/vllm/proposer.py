@@ -71,8 +71,10 @@ class DDTreeProposer(DFlashProposer):
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
-            top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1) for t in self._top)
-            trees = build_draft_trees(next_token_ids.long(), top_logprobs, top_token_ids, shape.budget)
+            # Trees are built and kept on the host (the scheduler takes them as lists anyway): one copy of
+            # the top-k, a no-op on CPU.
+            top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1).cpu() for t in self._top)
+            trees = build_draft_trees(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget)
             if self.tree_filter is not None:
                 trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees

@@ -220,20 +220,23 @@ class DDTreeRunnerMixin:
             self._compact_target_kv(step)
         if self.clock is not None:
             self._clock_sampled(step, output)
-        return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
+        return SamplerOutput(sampled_token_ids=output.to(logits.device), logprobs_tensors=logprobs)
 
     def _sample_nodes(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor | None:
         """Fill `step.target_token_ids`: the target's token at every node, TP rank 0's on every rank.
         Returns the nodes' logits after their history-dependent options (None when no request of the
         batch uses one), which logprobs may report."""
         metadata = self.input_batch.sampling_metadata
-        params = tree_sampling_params(metadata, self.input_batch.num_reqs)
-        rows = step.node_logit_rows()
+        device = logits.device
+        params = tree_sampling_params(metadata, self.input_batch.num_reqs, device)
+        rows = step.node_logit_rows().to(device)
         processed = None
         if needs_node_processing(metadata):
             processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
-        target = sample_nodes(logits, rows, step.draw_positions(), params, processed)
-        step.target_token_ids = get_tp_group().broadcast(target, src=0)
+        target = sample_nodes(logits, rows, step.draw_positions().to(device), params, processed)
+        # The step's trees and the walk live on the host: one copy back, where vLLM reads the sampled
+        # tokens back anyway (a no-op on CPU).
+        step.target_token_ids = get_tp_group().broadcast(target, src=0).cpu()
         return processed
 
     def _grammar_filtered_trees(self, trees: Any, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> Any:
@@ -264,11 +267,13 @@ class DDTreeRunnerMixin:
         reports them: token k of a request's output was drawn at the k-th node of its accepted path,
         from that node's logits row (raw modes), or its row after the history-dependent options
         (`processed` [R, N, V], processed modes). Rows follow vLLM's layout for output [R, W]: row
-        r * W + k, rows of unused output slots zero (vLLM drops them with the slots)."""
+        r * W + k, rows of unused output slots zero (vLLM drops them with the slots). output and the
+        acceptance are host tensors; the logprobs are computed and returned on the logits' device."""
         metadata = self.input_batch.sampling_metadata
         if metadata.max_num_logprobs is None:
             return None
         assert step.acceptance is not None
+        device = logits.device
         emitted = output >= 0
         requests, columns = emitted.nonzero(as_tuple=True)
         nodes = step.acceptance.accepted_nodes[requests, columns]
@@ -277,14 +282,14 @@ class DDTreeRunnerMixin:
             source, rows = processed.flatten(0, 1), requests * step.tree.nodes_per_request + nodes
         else:
             source, rows = logits, step.node_logit_rows()[requests, nodes]
-        params = tree_sampling_params(metadata, step.tree.num_requests, top_k_one_is_greedy=False)
-        values = emitted_logprob_values(source, rows, requests, params, mode)
-        gathered = self.sampler.gather_logprobs(values, metadata.max_num_logprobs, output[emitted].long())
-        slots = emitted.flatten().nonzero().squeeze(1)
+        params = tree_sampling_params(metadata, step.tree.num_requests, device, top_k_one_is_greedy=False)
+        values = emitted_logprob_values(source, rows.to(device), requests.to(device), params, mode)
+        gathered = self.sampler.gather_logprobs(values, metadata.max_num_logprobs, output[emitted].long().to(device))
+        slots = emitted.flatten().nonzero().squeeze(1).to(device)
         width = gathered.logprob_token_ids.shape[1]
-        token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype)
-        values_out = torch.zeros(emitted.numel(), width, dtype=gathered.logprobs.dtype)
-        ranks = torch.zeros(emitted.numel(), dtype=gathered.selected_token_ranks.dtype)
+        token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)
+        values_out = torch.zeros(emitted.numel(), width, dtype=gathered.logprobs.dtype, device=device)
+        ranks = torch.zeros(emitted.numel(), dtype=gathered.selected_token_ranks.dtype, device=device)
         token_ids[slots], values_out[slots], ranks[slots] = gathered.logprob_token_ids, gathered.logprobs, gathered.selected_token_ranks
         return LogprobsTensors(token_ids, values_out, ranks)
 

@@ -23,14 +23,17 @@ from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tok
 from vllm_ddtree.core.sampling import argmax_first
 
 
-def tree_sampling_params(sampling_metadata: Any, num_reqs: int, top_k_one_is_greedy: bool = True) -> TreeSamplingParams:
-    """TreeSamplingParams of the batch's first `num_reqs` requests (vLLM's input batch order).
+def tree_sampling_params(
+    sampling_metadata: Any, num_reqs: int, device: torch.device, top_k_one_is_greedy: bool = True
+) -> TreeSamplingParams:
+    """TreeSamplingParams of the batch's first `num_reqs` requests (vLLM's input batch order), their
+    tensors on `device` (the logits').
 
     top_k_one_is_greedy: draw top_k 1 as greedy: plain sampling keeps only the largest logit (ties
     aside), and the argmax is exactly what a greedy request emits (logprobs keep the request's own
     parameters)."""
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        return TreeSamplingParams(temperature=torch.zeros(num_reqs), all_greedy=True)
+        return TreeSamplingParams(temperature=torch.zeros(num_reqs, device=device), all_greedy=True)
     temperature = sampling_metadata.temperature[:num_reqs]
     top_k = _rows(sampling_metadata.top_k, num_reqs)
     if top_k is not None and top_k_one_is_greedy:
@@ -39,16 +42,16 @@ def tree_sampling_params(sampling_metadata: Any, num_reqs: int, top_k_one_is_gre
         temperature=temperature,
         top_k=top_k,
         top_p=_rows(sampling_metadata.top_p, num_reqs),
-        min_p=_min_p(sampling_metadata, num_reqs),
+        min_p=_min_p(sampling_metadata, num_reqs, device),
         seeds={int(i): g.initial_seed() for i, g in sampling_metadata.generators.items() if int(i) < num_reqs},
     )
 
 
-def _min_p(sampling_metadata: Any, num_reqs: int) -> torch.Tensor | None:
+def _min_p(sampling_metadata: Any, num_reqs: int, device: torch.device) -> torch.Tensor | None:
     """[num_reqs] min_p of each request (0: off), from vLLM's min_p processor; None when none uses it."""
     for processor in sampling_metadata.logitsprocs.argmax_invariant:
         if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
-            return processor.min_p_cpu_tensor[:num_reqs].clone()
+            return processor.min_p_cpu_tensor[:num_reqs].to(device, copy=True)
     return None
 
 
