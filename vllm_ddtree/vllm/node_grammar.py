@@ -230,6 +230,7 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: i
     grammar = entry.grammar
     bitmask = entry.backend.allocate_token_bitmask(count)
     bitmask.fill_(-1)
+    words = bitmask.numpy()  # the same memory, read per word without torch's indexing overhead
     tree = step.tree
     parents, tokens = tree.parents[index, :count].tolist(), tree.token_ids[index, :count].tolist()
     children: list[list[int]] = [[] for _ in range(count)]
@@ -241,7 +242,7 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: i
             return
         grammar.fill_bitmask(bitmask, node)
         for child in children[node]:
-            if _allows(bitmask[node], tokens[child]) and grammar.accept_tokens(req_id, [tokens[child]]):
+            if _allows(words[node], tokens[child]) and grammar.accept_tokens(req_id, [tokens[child]]):
                 fill(child)
                 grammar.rollback(1)
 
@@ -255,34 +256,33 @@ def _filtered_tree(
     """One request's best-first tree among the candidates its grammar (at the root's state) admits, and
     its nodes' bitmasks [num_nodes, W] as the verify step applies them (`_ProposedMasks`)."""
     grammar = entry.grammar
-    root_mask = entry.backend.allocate_token_bitmask(1)
-    grammar.fill_bitmask(root_mask, 0)
-    masks, paths = [root_mask[0]], [[]]
+    bitmask = entry.backend.allocate_token_bitmask(budget + 1)  # row i: node i, filled as nodes are admitted
+    words = bitmask.numpy()  # the same memory
+    grammar.fill_bitmask(bitmask, 0)
+    paths: list[list[int]] = [[]]
 
     def admit(parent: int, token: int) -> bool:
-        if not _allows(masks[parent], token):
+        if not _allows(words[parent], token):
             return False
-        path = paths[parent] + [token]
-        mask = entry.backend.allocate_token_bitmask(1)
+        node, path = len(paths), paths[parent] + [token]
         if token in stops:
-            mask.zero_()  # nothing follows a stop token
+            words[node] = 0  # nothing follows a stop token
         else:
             grammar.accept_tokens(req_id, path)
-            grammar.fill_bitmask(mask, 0)
+            grammar.fill_bitmask(bitmask, node)
             grammar.rollback(len(path))
-        masks.append(mask[0])
         paths.append(path)
         return True
 
     tree = build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)
-    bitmask = torch.stack(masks)
+    verify = bitmask[: len(paths)].clone()
     stop_nodes = [node for node, path in enumerate(paths) if path and path[-1] in stops]
-    bitmask[stop_nodes] = -1  # the grammar ended there: unconstrained, as `_node_bitmasks` leaves it
-    return tree, bitmask
+    verify[stop_nodes] = -1  # the grammar ended there: unconstrained, as `_node_bitmasks` leaves it
+    return tree, verify
 
 
-def _allows(bitmask_row: torch.Tensor, token: int) -> bool:
-    """Whether a packed int32 bitmask row (bit t of word t // 32) allows token t."""
+def _allows(bitmask_row: Any, token: int) -> bool:
+    """Whether a packed int32 bitmask row (a numpy or torch row: bit t of word t // 32) allows token t."""
     return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
 
 
