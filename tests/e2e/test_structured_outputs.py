@@ -354,3 +354,23 @@ def test_default_adaptive_budget_under_grammars_equals_plain_decoding(pair_dirs)
     plain = run_engine(target, None, requests, params, **options)
     ours = run_engine(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 32}, requests, params, **options)
     assert ours.token_ids == plain.token_ids
+
+
+def test_an_untested_backend_is_refused_at_admission(pair_dirs):
+    """An engine configured for the outlines backend: its structured requests are refused when admitted
+    (a validation error naming the backend and the alternative), its other requests served."""
+    from vllm import LLM
+
+    from vllm_ddtree.vllm.support import UnsupportedRequestError
+
+    target, draft = pair_dirs["trained"]
+    llm = LLM(model=target, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+              kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, seed=0,
+              structured_outputs_config={"backend": "outlines"},
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 8})
+    try:
+        with pytest.raises(UnsupportedRequestError, match="structured outputs with the 'outlines' backend.*use method 'dflash' or plain decoding"):
+            llm.generate(["def f("], _greedy(_kinds()["regex"]), use_tqdm=False)
+        assert llm.generate(["def f("], _greedy(None), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.llm_engine.engine_core.shutdown()
