@@ -28,7 +28,7 @@ NUM_LAYERS = 4
 TARGET_LAYER_IDS = (1, 2)
 
 
-def _qwen3_next_config():
+def _qwen3_next_config(linear_heads: tuple[int, int]):
     from transformers import Qwen3NextConfig
 
     return Qwen3NextConfig(
@@ -42,8 +42,8 @@ def _qwen3_next_config():
         linear_conv_kernel_dim=4,
         linear_key_head_dim=128,
         linear_value_head_dim=128,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
         layer_types=["linear_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
         decoder_sparse_step=1,
         mlp_only_layers=list(range(NUM_LAYERS - 1)),
@@ -57,12 +57,13 @@ def _qwen3_next_config():
     )
 
 
-def build_hybrid_pair(out_dir: str, focused: bool, seed: int = 0) -> tuple[str, str]:
-    """Write target/ (Qwen3NextForCausalLM) and draft/ (DFlashDraftModel) under out_dir; returns their paths."""
+def build_hybrid_pair(out_dir: str, focused: bool, seed: int = 0, linear_heads: tuple[int, int] = (1, 2)) -> tuple[str, str]:
+    """Write target/ (Qwen3NextForCausalLM) and draft/ (DFlashDraftModel) under out_dir; returns their paths.
+    linear_heads: the GDN layers' (key heads, value heads); (2, 4) shards over tensor parallelism 2."""
     from transformers import Qwen3NextForCausalLM
 
     gen = torch.Generator().manual_seed(seed)
-    target = Qwen3NextForCausalLM(_qwen3_next_config())
+    target = Qwen3NextForCausalLM(_qwen3_next_config(linear_heads))
     with torch.no_grad():
         for name, p in target.named_parameters():
             if "norm" in name:  # zero-centred RMSNorms (1 + w) and the gated GDN norm (w) keep their init

@@ -79,14 +79,14 @@ def scripted_shapes_run(target: str, draft: str, script: list[TreeShape], reques
         llm.llm_engine.engine_core.shutdown()
 
 
-def agreed_prefix(run: Run, reference: Run) -> list[int]:
+def agreed_prefix(token_ids: list[list[int]], reference: list[list[int]]) -> list[int]:
     """Per prompt, how many leading tokens equal the reference's."""
-    return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(run.token_ids, reference.token_ids)]
+    return [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(token_ids, reference)]
 
 
 @pytest.mark.parametrize("run", ["tree", "scripted"])
 def test_ddtree_agrees_with_plain_decoding_at_least_as_far_as_the_chain(runs, run):
-    ours, chain = agreed_prefix(runs[run], runs["plain"]), agreed_prefix(runs["chain"], runs["plain"])
+    ours, chain = (agreed_prefix(runs[name].token_ids, runs["plain"].token_ids) for name in (run, "chain"))
     assert sum(ours) >= sum(chain), (ours, chain)
 
 
@@ -94,8 +94,8 @@ def test_seeded_sampling_through_trees_draws_what_single_token_steps_draw(runs):
     """Temperature 0.8, seeded: every token is the draw keyed by (seed, position) from its node's
     distribution (`core.sampling`), so trees and steps without speculation draw the same tokens wherever
     bf16 leaves the distributions alike; held to the greedy bar (the chain's agreement with plain)."""
-    sampled = agreed_prefix(runs["sampled trees"], runs["sampled off"])
-    chain = agreed_prefix(runs["chain"], runs["plain"])[: len(SHORT_PROMPTS)]
+    sampled = agreed_prefix(runs["sampled trees"].token_ids, runs["sampled off"].token_ids)
+    chain = agreed_prefix(runs["chain"].token_ids, runs["plain"].token_ids)[: len(SHORT_PROMPTS)]
     assert sum(sampled) >= sum(chain), (sampled, chain)
 
 
