@@ -23,6 +23,10 @@ from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
+DEFERRED_ROWS = 256
+"""Deferred context rows that trigger a store pass (`DDTreeProposer._store_context_only`)."""
+
+
 class DDTreeProposer(DFlashProposer):
     def __init__(
         self, vllm_config: Any, device: torch.device, runner: Any, ddtree: DDTreeConfig, stage_times: StageTimes
@@ -46,6 +50,10 @@ class DDTreeProposer(DFlashProposer):
         self.budget_policy: BudgetPolicy | None = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self._candidates = 1
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        """Context rows of steps without speculation not yet stored: (target hidden states, positions,
+        KV slots), written by `store_deferred_context`."""
+        self._deferred_rows = 0
 
     @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
@@ -68,6 +76,7 @@ class DDTreeProposer(DFlashProposer):
                 self._store_context_only(depth, next_token_ids=next_token_ids, **kwargs)
             return [[] for _ in range(next_token_ids.shape[0])]
         with self.stage_times.stage(DRAFT_FORWARD):
+            self.store_deferred_context()  # the draft pass reads the whole context
             super().propose(num_speculative_tokens=depth, next_token_ids=next_token_ids, **kwargs)
         assert self._top is not None
         with self.stage_times.stage(TREE_BUILD):
@@ -102,27 +111,47 @@ class DDTreeProposer(DFlashProposer):
         Context rows and where they go: when this step verified no drafts (`num_rejected_tokens_gpu`
         None), every target row is context, at its own position and KV slot (target and draft share
         one KV cache group, hence one block table), so the target's positions and slot mapping serve
-        as they are. After a verify step, `set_inputs_first_pass` lays them out (rejected nodes get no
-        slot), as in a full draft pass."""
+        as they are, and the rows are deferred: stored together with other steps' rows in one pass
+        (`store_deferred_context`) before the next draft pass, before KV blocks can change hands, or
+        once DEFERRED_ROWS rows wait (on two CPU cores one pass over 16 steps' rows costs about what one
+        step's pass did). After a verify step, `set_inputs_first_pass` lays them out (rejected nodes
+        get no slot), as in a full draft pass, and they are stored at once."""
         self.num_speculative_tokens = depth
-        hidden_states = self.model.combine_hidden_states(target_hidden_states)
-        num_context = hidden_states.shape[0]
+        num_context = target_hidden_states.shape[0]
         if num_rejected_tokens_gpu is None:
-            positions = target_positions[:num_context]
-            slots = common_attn_metadata.slot_mapping[:num_context]
-        else:
-            self.set_inputs_first_pass(
-                target_token_ids=target_token_ids,
-                next_token_ids=next_token_ids,
-                target_positions=target_positions,
-                target_hidden_states=hidden_states,
-                token_indices_to_sample=token_indices_to_sample,
-                cad=common_attn_metadata,
-                num_rejected_tokens_gpu=num_rejected_tokens_gpu,
-            )
-            positions = self._context_positions_buffer[:num_context]
-            slots = self._context_slot_mapping_buffer[:num_context]
+            self._deferred.append((
+                target_hidden_states.clone(),
+                target_positions[:num_context].clone(),
+                common_attn_metadata.slot_mapping[:num_context].clone(),
+            ))
+            self._deferred_rows += num_context
+            if self._deferred_rows >= DEFERRED_ROWS:
+                self.store_deferred_context()
+            return
+        hidden_states = self.model.combine_hidden_states(target_hidden_states)
+        self.set_inputs_first_pass(
+            target_token_ids=target_token_ids,
+            next_token_ids=next_token_ids,
+            target_positions=target_positions,
+            target_hidden_states=hidden_states,
+            token_indices_to_sample=token_indices_to_sample,
+            cad=common_attn_metadata,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu,
+        )
+        positions = self._context_positions_buffer[:num_context]
+        slots = self._context_slot_mapping_buffer[:num_context]
         self.model.precompute_and_store_context_kv(hidden_states, positions, slots)
+
+    def store_deferred_context(self) -> None:
+        """Store the deferred context rows of steps without speculation in one pass (no-op if none).
+        Must run before a draft pass reads the context and before a KV block holding deferred rows can
+        be given to another request (the runner calls it when requests finish, are preempted or arrive)."""
+        if not self._deferred:
+            return
+        states, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
+        self._deferred.clear()
+        self._deferred_rows = 0
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:

@@ -51,6 +51,17 @@ from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 logger = logging.getLogger("vllm.ddtree")
 
 
+def _blocks_may_change_hands(scheduler_output: Any) -> bool:
+    """Whether KV blocks may have been freed or handed to other requests since the last step (requests
+    finished, were preempted, arrived or resumed): deferred draft context must be stored first."""
+    return bool(
+        scheduler_output.finished_req_ids
+        or scheduler_output.preempted_req_ids
+        or scheduler_output.scheduled_new_reqs
+        or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+    )
+
+
 class DDTreeRunnerMixin:
     """DDTree hooks over a vLLM V1 model runner (`GPUModelRunner` or its subclass `CPUModelRunner`).
 
@@ -130,6 +141,8 @@ class DDTreeRunnerMixin:
     @override
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self._drafted = False
+        if _blocks_may_change_hands(scheduler_output):
+            self.drafter.store_deferred_context()
         if self.clock is not None:
             scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
