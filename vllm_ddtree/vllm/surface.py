@@ -83,6 +83,7 @@ _INPUT_BATCH = "vllm.v1.worker.gpu_input_batch.InputBatch"
 _BLOCK_TABLE = "vllm.v1.worker.block_table.BlockTable"
 _BASE_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer"
 _CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+_GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _LAYER = "vllm.model_executor.layers.attention.Attention"
@@ -112,6 +113,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember(_BASE_PROPOSER, "propose", "override", "runs the DFlash draft at the tree's depth and returns the trees as drafts", params=("num_speculative_tokens", "*", "next_token_ids", "...")),
     VLLMMember(_BASE_PROPOSER, "_sample_draft_tokens", "override", "keeps the top-K draft log-probs of every position instead of one argmax", params=("hidden_states", "sampling_metadata")),
     VLLMMember(_CPU_WORKER, "init_device", "override", "swaps in DDTreeCPUModelRunner for the runner CPUWorker.init_device builds", params=()),
+    VLLMMember(_GPU_WORKER, "_make_model_runner", "override", "builds DDTreeGPUModelRunner (the GPU worker's runner factory)", params=()),
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackend", "get_impl_cls", "override", "selects DDTreeCPUAttentionImpl", params=()),
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionBackend", "get_builder_cls", "override", "selects DDTreeCPUAttentionMetadataBuilder", params=()),
     VLLMMember(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "build", "override", "returns metadata that can carry the tree masks", params=("common_prefix_len", "common_attn_metadata", "fast_build")),
@@ -131,12 +133,15 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "__init__", "read-method", "DDTreeProposer.__init__ builds vLLM's DFlash drafter", params=("vllm_config", "device", "runner")),
     VLLMMember("vllm.v1.worker.block_table.MultiGroupBlockTable", "__getitem__", "read-method", "block_table[0]: the one KV cache group's block table", params=("idx",)),
     VLLMMember(_BLOCK_TABLE, "get_cpu_tensor", "read-method", "block ids of each request, for the tree masks' K/V windows", params=()),
-    VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens and tree shape reach every rank", params=("input_", "*", "src")),
+    VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens, draft top-k and tree shape reach every rank", params=("input_", "*", "src")),
     VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
     VLLMMember("vllm.v1.sample.sampler.Sampler", "gather_logprobs", "read-method", "emitted tokens' logprob, rank and top n in vLLM's own layout", params=("logprobs", "num_logprobs", "token_ids")),
     VLLMMember("vllm.v1.outputs.DraftTokenIds", "__init__", "read-method", "empty drafts for a step whose drafter did not run", params=("req_ids", "draft_token_ids")),
     VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "set_inputs_first_pass", "read-method", "an off step lays out the draft's context positions and slots as a full pass does", params=("target_token_ids", "next_token_ids", "target_positions", "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
     # ---- state we read -----------------------------------------------------------------------------------------------
+    *_reads(_GPU_WORKER, "use_v2_model_runner", "the GPU worker refuses the V2 runner"),
+    *_reads("vllm.v1.worker.worker_base.WorkerBase", "vllm_config", "the GPU worker builds our runner with its config"),
+    *_reads(_GPU_WORKER, "device", "the GPU worker builds our runner on its device", created_in="init_device"),
     *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
     *_reads(_GPU_RUNNER, "uses_mrope", "M-RoPE targets are refused: tree nodes take 1-D positions"),
     *_reads(_GPU_RUNNER, "is_mm_prefix_lm", "mm-prefix LMs are refused on CUDA: uniform verify batches are recomputed with causal and tree masks"),
@@ -181,6 +186,9 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads(_BASE_PROPOSER, "model", "the draft model: compute_logits gives the draft logits (as in vLLM's _sample_draft_tokens); combine_hidden_states and precompute_and_store_context_kv store an off step's context K/V", created_in="load_model"),
     *_reads("vllm.v1.spec_decode.dflash.DFlashProposer", "_context_positions_buffer _context_slot_mapping_buffer", "an off step stores the context K/V at the positions and slots set_inputs_first_pass wrote"),
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "finished_req_ids", "finished requests' proposed trees are dropped", created_in=None),
+    *_reads("vllm.v1.core.sched.output.SchedulerOutput", "preempted_req_ids scheduled_new_reqs scheduled_cached_reqs", "deferred draft context is stored before KV blocks can change hands", created_in=None),
+    *_reads("vllm.v1.core.sched.output.CachedRequestData", "resumed_req_ids", "resumed requests may take freed KV blocks", created_in=None),
+    *_reads("vllm.v1.spec_decode.metadata.SpecDecodeMetadata", "num_draft_tokens", "a step whose requests verified no drafts takes vLLM's no-draft propose path", created_in=None),
     *_reads(_BASE_PROPOSER, "_draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache", "layer options the tree rows cannot reproduce are refused at load"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "scale head_size num_kv_heads", "the tree rows' attention scale, head size and query-head grouping"),
