@@ -212,14 +212,7 @@ class TreeStep:
             num_nodes=torch.from_numpy(num_nodes).long(),
             max_depth=int(depths.max()),
         )
-        return cls(
-            root_rows=torch.from_numpy(root_rows).long(),
-            starts=torch.from_numpy(starts).long(),
-            num_drafts=torch.from_numpy(num_drafts).long(),
-            tree=tree,
-            ancestor_mask=tree_attention_mask(tree),
-            num_chain_fallbacks=fallbacks,
-        )
+        return cls._of(tree, root_rows, starts, num_drafts, num_chain_fallbacks=fallbacks)
 
     @classmethod
     def _from_proposed(
@@ -241,12 +234,18 @@ class TreeStep:
             num_nodes=trees.num_nodes,
             max_depth=int(depths.max()),
         )
+        return cls._of(tree, root_rows, starts, num_drafts)
+
+    @classmethod
+    def _of(cls, tree: DraftTree, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray, num_chain_fallbacks: int = 0) -> TreeStep:
+        """The step of these trees and host arrays, with the trees' ancestor masks."""
         return cls(
             root_rows=torch.from_numpy(root_rows).long(),
             starts=torch.from_numpy(starts).long(),
             num_drafts=torch.from_numpy(num_drafts).long(),
             tree=tree,
             ancestor_mask=tree_attention_mask(tree),
+            num_chain_fallbacks=num_chain_fallbacks,
         )
 
     @classmethod
