@@ -19,7 +19,8 @@ import collections
 import time
 
 from tests.e2e.conftest import prompts
-from tests.e2e.test_serve import _get, server  # noqa: F401  (the module-scoped server fixture)
+from tests.e2e.served import get
+from tests.e2e.test_serve import server  # noqa: F401  (the module-scoped server fixture)
 
 GREEDY_TOKENS = 32
 LOAD_REQUESTS = 64
@@ -155,7 +156,7 @@ def test_concurrent_streams_aborts_and_kv_release(server):  # noqa: F811
         # 3. Nothing left running, no KV block leaked, still correct.
         deadline = time.monotonic() + 20
         while True:
-            metrics = _get(f"{server.url}/metrics")
+            metrics = get(f"{server.url}/metrics")
             running = _gauge(metrics, "vllm:num_requests_running")
             kv = _gauge(metrics, "vllm:kv_cache_usage_perc")
             if (running == 0 and kv == 0) or time.monotonic() > deadline:
