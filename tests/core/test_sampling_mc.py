@@ -194,3 +194,25 @@ def test_inplace_sampling_draws_the_same_tokens():
     positions = torch.arange(15).view(3, 5)
     copied = sample_tree_tokens(logits, params, positions)
     assert torch.equal(sample_tree_tokens(logits.clone(), params, positions, inplace=True), copied)
+
+
+def test_rows_without_mass_take_their_first_maximal_logit_never_a_token_past_the_vocabulary():
+    """Every token masked (-inf row), +inf or NaN logits: no distribution to draw from. The rule takes
+    the first maximal processed logit (NaN maximal; all -inf: token 0), as vLLM's Gumbel-max sampler
+    does, whatever the filters; rows with mass in the same batch are drawn as usual."""
+    vocab = 130  # not a multiple of the 64-token blocks
+    logits = torch.full((2, 4, vocab), float("-inf"))
+    logits[1, 0, 5] = 1.0
+    logits[1, 1, [9, 11]] = float("inf")
+    logits[1, 2, 40] = float("nan")
+    logits[1, 3] = torch.randn(vocab, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).view(2, 4)
+    for params in (
+        TreeSamplingParams(temperature=torch.tensor([1.0, 0.7]), seeds={1: 3}),
+        TreeSamplingParams(temperature=torch.tensor([1.3, 1.0]), top_k=torch.tensor([3, 500]),
+                           top_p=torch.tensor([0.5, 0.9]), min_p=torch.tensor([0.5, 0.0])),
+    ):
+        tokens = sample_tree_tokens(logits.clone(), params, positions)
+        assert tokens[0].tolist() == [0, 0, 0, 0]
+        assert tokens[1, :3].tolist() == [5, 9, 40]
+        assert 0 <= int(tokens[1, 3]) < vocab and bool(torch.isfinite(logits[1, 3, tokens[1, 3]]))

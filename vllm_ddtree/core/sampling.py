@@ -100,7 +100,8 @@ def sample_tree_tokens(
     greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2]) if all_greedy or bool(greedy.any()) else None
     if all_greedy:
         return greedy_tokens
-    probs = process_logits(logits, params, inplace).softmax(dim=-1)  # one fused pass: max, exp, sum
+    processed = process_logits(logits, params, inplace)
+    probs = processed.softmax(dim=-1)  # one fused pass: max, exp, sum
     uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
     if params.seeds:
         if positions is None:
@@ -109,6 +110,12 @@ def sample_tree_tokens(
         seeds = torch.tensor([_signed(params.seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=probs.device)
         uniforms[rows] = keyed_uniforms(seeds.unsqueeze(1), positions[rows].long())
     sampled = inverse_cdf(probs.flatten(0, 1), uniforms.flatten()).view(probs.shape[:2])
+    no_mass = sampled < 0
+    # A row without mass (every token masked, e.g. allowed_token_ids that min_tokens or bad_words forbid,
+    # or +inf / NaN logits from extreme penalties) takes its first maximal processed logit (NaN counting
+    # as maximal; all -inf: token 0), as vLLM's Gumbel-max sampler does; never a token past the vocabulary.
+    if bool(no_mass.any()):  # a host sync only where it matters; the caller reads the tokens back next
+        sampled = torch.where(no_mass, argmax_first(processed.flatten(0, 1)).view(no_mass.shape), sampled)
     return sampled if greedy_tokens is None else torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
 
 
@@ -138,7 +145,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf(i-1) <= u * cdf(V-1) < cdf(i). Block masses are summed in the probs' dtype (float32: relative
     error below 64 * 2**-24 ~ 4e-6 per block, far under what any sample size can detect; a float64 copy
     of the probs would cost 40x more), their cumulative sums and the chosen block's prefix sums are
-    float64; a token of zero mass is never returned."""
+    float64; a token of zero mass is never returned. A row without positive mass (NaN: the softmax of
+    logits that are all -inf, or hold +inf or NaN) gives -1."""
     rows, vocab = probs.shape
     whole = vocab - vocab % _BLOCK
     block_mass = probs[:, :whole].reshape(rows, -1, _BLOCK).sum(-1).double()
@@ -153,7 +161,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     inside = torch.where(tokens < vocab, probs.gather(1, tokens.clamp(max=vocab - 1)).double(), 0.0).cumsum_(-1)
     offset = torch.searchsorted(inside, (targets - before).unsqueeze(1), right=True).squeeze(1)
     last_with_mass = (inside < inside[:, -1:]).sum(-1)  # rounding between the two levels never overshoots it
-    return block * _BLOCK + torch.minimum(offset, last_with_mass)
+    return torch.where(total > 0, block * _BLOCK + torch.minimum(offset, last_with_mass), -1)
 
 
 _MASK64 = (1 << 64) - 1
