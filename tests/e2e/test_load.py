@@ -3,8 +3,9 @@ is answered correctly or refused alone, and nothing leaks.
 
 One server (the `server` fixture of test_serve: focused pair, budget 16, `--skip-tokenizer-init`) gets:
 1. 64 concurrent streaming completions with mixed parameters (greedy at several max_tokens, greedy
-   with a stop token id, seeded temperature/top_p) plus one request with an unsupported option
-   (`logprobs=-1`: the whole vocabulary), which must get HTTP 400 while the others complete. Every greedy output equals the
+   with a stop token id, seeded temperature/top_p) plus one request the server refuses
+   (`logprobs=-1`, the whole vocabulary, over the server's max_logprobs: vLLM's own cap), which must
+   get HTTP 400 while the others complete. Every greedy output equals the
    same prompt's greedy output sent alone; identical seeded requests give identical outputs.
 2. 32 more streaming requests, half closed by the client after a few chunks (server-side abort);
    the other half still equal their alone-greedy outputs.

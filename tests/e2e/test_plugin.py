@@ -106,29 +106,6 @@ def test_async_scheduling_request_fails_clearly(pair_dirs):
         LLM(model=target, skip_tokenizer_init=True, speculative_config=spec, async_scheduling=True)
 
 
-def test_unsupported_request_is_refused_at_admission_and_engine_keeps_serving(pair_dirs):
-    from vllm import LLM, SamplingParams
-    from vllm.exceptions import VLLMValidationError
-
-    from tests.e2e.conftest import KV_CACHE_BYTES, prompts
-
-    target, draft = pair_dirs["focused"]
-    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 4}
-    llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
-              distributed_executor_backend="uni", kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=256,
-              speculative_config=spec)
-    try:
-        for params, option in [
-            (SamplingParams(temperature=0.8, max_tokens=4, logprob_token_ids=[1, 2]), "logprob_token_ids"),
-        ]:
-            with pytest.raises(VLLMValidationError, match=f"method 'ddtree' does not support {option}"):
-                llm.generate(prompts((5,)), params, use_tqdm=False)
-        ok = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        out = llm.generate(prompts((5,)), ok, use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == 4
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-
 @pytest.mark.parametrize("style", ["speculative_config", "spec_flags"])
 def test_ddtree_request_becomes_dflash_config_with_forced_settings(pair_dirs, style):
     from vllm.engine.arg_utils import EngineArgs

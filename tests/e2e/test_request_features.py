@@ -3,9 +3,9 @@
 One ddtree engine and one plain engine on the trained pair (it has a tokenizer: text prompts, stop
 strings, bad words and JSON schemas need one) serve the same script, `_serve`:
 
-1. plain greedy requests are admitted and run a few engine steps; while they are in flight, one
-   request per unsupported option, an empty prompt and one over max_model_len are offered (ddtree
-   only) and each is refused on its own; one more plain request is admitted after the refusals;
+1. plain greedy requests are admitted and run a few engine steps; while they are in flight, a
+   request for logprobs over max_logprobs, an empty prompt and one over max_model_len are offered
+   (ddtree only) and each is refused on its own (by vLLM, as under plain decoding); one more plain request is admitted after the refusals;
    everything runs to completion;
 2. one `generate` batch of supported features: stop strings, n > 1 (near-greedy and sampled, seeded).
 
@@ -37,12 +37,12 @@ TOKEN_BUDGET = 512
 
 def _unsupported() -> dict[str, tuple[dict, str, dict | None]]:
     """option -> (SamplingParams keywords, the refusal's message, the prompt if not the usual one).
-    vLLM 0.32 itself refuses empty prompts and prompts over max_model_len (and greedy n > 1) whatever
-    the method. (Penalties, min_tokens, bad_words, allowed_token_ids, min_p and logit_bias are served:
-    test_history_options.py; structured outputs: test_structured_outputs.py.)"""
-    ours = "method 'ddtree' does not support {}; use method 'dflash' or plain decoding for such requests"
-    options = {"logprob_token_ids": {"logprob_token_ids": [1, 2]}}
-    cases = {name: (kw, ours.format(name), None) for name, kw in options.items()}
+    vLLM 0.32 itself refuses empty prompts, prompts over max_model_len, logprobs over the engine's
+    max_logprobs (20 by default; -1 asks for the whole vocabulary) (and greedy n > 1) whatever the
+    method. (Penalties, min_tokens, bad_words, allowed_token_ids, min_p and logit_bias are served:
+    test_history_options.py; logprobs=-1 and logprob_token_ids: test_logprobs_vocabulary.py;
+    structured outputs and the refusals of method 'ddtree': test_structured_outputs.py.)"""
+    cases = {"logprobs=-1 over max_logprobs": ({"logprobs": -1}, "greater than max allowed: 20", None)}
     cases["empty prompt"] = ({}, "The decoder prompt cannot be empty", {"prompt_token_ids": []})
     cases["prompt over max_model_len"] = (
         {}, f"maximum context length is {MAX_MODEL_LEN} tokens", {"prompt_token_ids": [5] * (MAX_MODEL_LEN + 1)}
@@ -134,8 +134,6 @@ def test_unsupported_option_refused_for_that_request_only(served, option):
     assert served["ddtree"]["in_flight_at_refusal"]
     assert isinstance(error, VLLMValidationError), f"{option}: {error!r}"  # HTTP 400 when serving
     assert _unsupported()[option][1] in str(error)
-    if _unsupported()[option][1].startswith("method 'ddtree'"):  # ours; vLLM's own are VLLMValidationError only
-        assert isinstance(error, ValueError)
 
 
 def test_requests_around_refusals_equal_plain_decoding(served):

@@ -37,7 +37,13 @@ from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
-from vllm_ddtree.vllm.sampling import emitted_logprob_values, gather_node_logits, sample_nodes, tree_sampling_params
+from vllm_ddtree.vllm.sampling import (
+    emitted_logprob_values,
+    gather_emitted_logprobs,
+    gather_node_logits,
+    sample_nodes,
+    tree_sampling_params,
+)
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -276,14 +282,17 @@ class DDTreeRunnerMixin:
     def _emitted_logprobs(
         self, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
     ) -> LogprobsTensors | None:
-        """Logprobs of every emitted token (None unless a request asked for them), as plain decoding
-        reports them: token k of a request's output was drawn at the k-th node of its accepted path,
-        from that node's logits row (raw modes), or its row after the history-dependent options
-        (`processed` [R, N, V], processed modes). Rows follow vLLM's layout for output [R, W]: row
-        r * W + k, rows of unused output slots zero (vLLM drops them with the slots). output and the
-        acceptance are host tensors; the logprobs are computed and returned on the logits' device."""
+        """Logprobs of every emitted token (None unless a request asked for them: top n, the whole
+        vocabulary or `logprob_token_ids`), as plain decoding reports them: token k of a request's
+        output was drawn at the k-th node of its accepted path, from that node's logits row (raw
+        modes), or its row after the history-dependent options (`processed` [R, N, V], processed
+        modes), gathered by vLLM's sampler (`gather_emitted_logprobs`). Rows follow vLLM's layout for
+        output [R, W]: row r * W + k, rows of unused output slots zero (vLLM drops them with the
+        slots). output and the acceptance are host tensors; the logprobs are computed and returned on
+        the logits' device."""
         metadata = self.input_batch.sampling_metadata
-        if metadata.max_num_logprobs is None:
+        token_ids_by_request = metadata.logprob_token_ids or {}
+        if metadata.max_num_logprobs is None and not token_ids_by_request:
             return None
         assert step.acceptance is not None
         device = logits.device
@@ -297,7 +306,8 @@ class DDTreeRunnerMixin:
             source, rows = logits, step.node_logit_rows()[requests, nodes]
         params = tree_sampling_params(metadata, step.tree.num_requests, device, top_k_one_is_greedy=False)
         values = emitted_logprob_values(source, rows.to(device), requests.to(device), params, mode)
-        gathered = self.sampler.gather_logprobs(values, metadata.max_num_logprobs, output[emitted].long().to(device))
+        gathered = gather_emitted_logprobs(self.sampler, values, output[emitted].long().to(device), requests,
+                                           metadata.max_num_logprobs, token_ids_by_request)
         slots = emitted.flatten().nonzero().squeeze(1).to(device)
         width = gathered.logprob_token_ids.shape[1]
         token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)

@@ -1,20 +1,22 @@
 """Per-request options method 'ddtree' supports, checked when vLLM admits a request.
 
-Served exactly: temperature, top_k, top_p, seeds, n > 1 (each sample is its own request), stop
-strings and stop token ids (stops act on committed tokens), logprobs (top n >= 0) and prompt_logprobs
-(each emitted token's from its node's logits row), the options that depend on the tokens generated
-so far: presence / frequency / repetition penalties, min_tokens, bad_words and allowed_token_ids
-(every tree node is processed with its own history: the committed output plus its path,
-`node_logits`), min_p and logit_bias (vLLM 0.32 refuses both under any speculative method; a declared
-patch lifts that for 'ddtree' engines), and structured outputs (JSON schema, JSON object, regex,
-choice, grammar) with the xgrammar or guidance backend (every tree node masked by the
-grammar state after its path, `node_grammar`). Refused: logprobs of the whole vocabulary (-1),
-logprob_token_ids, structured outputs with another backend (outlines, lm-format-enforcer: not tested
-under trees) or under a reasoning parser without `enable_in_reasoning` (vLLM starts such a grammar
-where the reasoning ends, which the runner's grammars do not track), thinking budgets and
-watermarking. Such requests are refused at admission (`check_request`, called from vLLM's request
-validation: the caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline,
-and the engine keeps serving the other requests), never served with the options ignored.
+Served exactly: temperature, top_k, top_p, seeds, n > 1 (each sample is its own request), stop strings
+and stop token ids (stops act on committed tokens), logprobs (top n, the whole vocabulary with -1,
+`logprob_token_ids`: each emitted token's from its node's logits row, gathered by vLLM's sampler) and
+prompt_logprobs (-1 too; vLLM's own prompt rows), the options that depend on the tokens generated so
+far: presence / frequency / repetition penalties, min_tokens, bad_words and allowed_token_ids (every
+tree node is processed with its own history: the committed output plus its path, `node_logits`), min_p
+and logit_bias (vLLM 0.32 refuses both under any speculative method; a declared patch lifts that for
+'ddtree' engines), and structured outputs (JSON schema, JSON object, regex, choice, grammar) with the
+xgrammar or guidance backend (every tree node masked by the grammar state after its path,
+`node_grammar`). (vLLM 0.32 itself caps logprobs and prompt_logprobs at the engine's max_logprobs, -1
+included, and refuses prompt_logprob_token_ids on the V1 model runner, which method 'ddtree' runs on.)
+Refused: structured outputs with another backend (outlines, lm-format-enforcer: not tested under trees)
+or under a reasoning parser without `enable_in_reasoning` (vLLM starts such a grammar where the
+reasoning ends, which the runner's grammars do not track), thinking budgets and watermarking. Such
+requests are refused at admission (`check_request`, called from vLLM's request validation: the caller
+gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and the engine keeps
+serving the other requests), never served with the options ignored.
 """
 
 from __future__ import annotations
@@ -40,9 +42,6 @@ def unsupported_options(params: Any, structured_outputs_config: Any = None) -> l
     backend = None if structured is None else structured._backend
     reasoning = structured_outputs_config is not None and bool(structured_outputs_config.reasoning_parser)
     checks = {
-        "logprobs=-1 (the whole vocabulary)": params.logprobs is not None and params.logprobs < 0,
-        "logprob_token_ids": bool(getattr(params, "logprob_token_ids", None)),
-        "prompt_logprob_token_ids": getattr(params, "prompt_logprob_token_ids", None) is not None,
         f"structured outputs with the {backend!r} backend (served: {', '.join(SERVED_BACKENDS)})": (
             structured is not None and backend is not None and backend not in SERVED_BACKENDS
         ),

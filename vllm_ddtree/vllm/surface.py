@@ -136,6 +136,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember("vllm.distributed.parallel_state.GroupCoordinator", "broadcast", "read-method", "TP rank 0's sampled tokens, draft top-k and tree shape reach every rank", params=("input_", "*", "src")),
     VLLMMember("vllm.v1.outputs.SamplerOutput", "__init__", "read-method", "_sample's output", params=("*", "sampled_token_ids", "logprobs_tensors")),
     VLLMMember("vllm.v1.sample.sampler.Sampler", "gather_logprobs", "read-method", "emitted tokens' logprob, rank and top n in vLLM's own layout", params=("logprobs", "num_logprobs", "token_ids")),
+    VLLMMember("vllm.v1.sample.sampler.Sampler", "gather_specific_token_logprobs", "read-method", "emitted tokens' logprob, rank and logprob_token_ids' logprobs in vLLM's own layout", params=("logprobs", "logprob_token_ids", "sampled")),
     VLLMMember("vllm.v1.outputs.DraftTokenIds", "__init__", "read-method", "empty drafts for a step whose drafter did not run", params=("req_ids", "draft_token_ids")),
     VLLMMember("vllm.v1.spec_decode.dflash.DFlashProposer", "set_inputs_first_pass", "read-method", "an off step lays out the draft's context positions and slots as a full pass does", params=("target_token_ids", "next_token_ids", "target_positions", "target_hidden_states", "token_indices_to_sample", "cad", "num_rejected_tokens_gpu")),
     # ---- state we read -----------------------------------------------------------------------------------------------
@@ -178,7 +179,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember("vllm.v1.sample.logits_processor.builtin.MinPLogitsProcessor", "__init__", "read-method", "built by the runner for method 'ddtree'", params=("vllm_config", "device", "is_pin_memory")),
     VLLMMember("vllm.v1.sample.logits_processor.builtin.LogitBiasLogitsProcessor", "__init__", "read-method", "built by the runner for method 'ddtree'", params=("_", "device", "is_pin_memory")),
     *_reads("vllm.v1.sample.logits_processor.builtin.MinTokensLogitsProcessor", "min_toks", "each request's min_tokens, output and stop ids: stops masked at nodes below min_tokens", created_in="__init__"),
-    *_reads("vllm.v1.sample.metadata.SamplingMetadata", "max_num_logprobs", "whether and how many logprobs the batch asks for", created_in=None),
+    *_reads("vllm.v1.sample.metadata.SamplingMetadata", "max_num_logprobs logprob_token_ids", "whether and how many logprobs the batch asks for, and which token ids' (by batch index)", created_in=None),
     *_reads("vllm.v1.sample.metadata.SamplingMetadata", "all_greedy temperature top_k top_p generators", "tree nodes are sampled under each request's own parameters and seed", created_in=None),
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "num_scheduled_tokens scheduled_spec_decode_tokens", "which requests verify drafts, for the trees and the step clock", created_in=None),
     *_reads("vllm.v1.kv_cache_interface.KVCacheConfig", "kv_cache_groups", "target and draft must share one KV cache group", created_in=None),
