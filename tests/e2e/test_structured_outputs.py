@@ -244,7 +244,7 @@ def test_node_bitmasks_equal_the_grammar_after_each_path(pair_dirs):
                      num_nodes=torch.tensor([7]), max_depth=2)
     entry = _RequestGrammar(grammar(), backend)
     assert entry.grammar.accept_tokens("r", committed)
-    masks = _node_bitmasks("r", entry, SimpleNamespace(tree=tree), 0, 7)
+    masks = _node_bitmasks("r", entry, committed, SimpleNamespace(tree=tree), 0, 7)
     full = torch.full_like(masks[0], -1)
     for node in range(7):
         path, at = [], node
@@ -274,11 +274,7 @@ def test_refusals_name_the_option_and_the_alternative():
     with pytest.raises(UnsupportedRequestError, match="structured outputs with the 'outlines' backend.*use method 'dflash'"):
         check_request(params)
     params.structured_outputs._backend = "xgrammar"
-    check_request(params)
-    reasoning = SimpleNamespace(reasoning_parser="deepseek_r1", enable_in_reasoning=False)
-    with pytest.raises(UnsupportedRequestError, match="structured outputs under a reasoning_parser"):
-        check_request(params, reasoning)
-    check_request(params, SimpleNamespace(reasoning_parser="deepseek_r1", enable_in_reasoning=True))
+    check_request(params)  # under a reasoning parser too: tests/e2e/test_reasoning_structured.py
 
 
 def test_preempted_structured_requests_equal_plain_decoding(pair_dirs):
@@ -325,7 +321,7 @@ def test_filtered_tree_admits_only_grammar_paths_and_its_masks_are_the_walks(pai
     gen = torch.Generator().manual_seed(0)
     top_logprobs = torch.randn(5, len(candidates), generator=gen).log_softmax(-1).sort(-1, descending=True).values
     top_token_ids = torch.stack([torch.tensor(candidates)[torch.randperm(len(candidates), generator=gen)] for _ in range(5)])
-    tree, bitmask = _filtered_tree("r", entry, {eos}, committed[-1], top_logprobs, top_token_ids, 12)
+    tree, bitmask = _filtered_tree("r", entry, committed, True, {eos}, committed[-1], top_logprobs, top_token_ids, 12)
     count = int(tree.num_nodes[0])
     tokens, parents = tree.token_ids[0].tolist(), tree.parents[0].tolist()
     paths: list[list[int]] = [[]]
@@ -335,7 +331,7 @@ def test_filtered_tree_admits_only_grammar_paths_and_its_masks_are_the_walks(pai
         fresh = backend.compile_grammar(*key, stop_token_ids={eos})
         assert fresh.accept_tokens("r", committed + paths[node]), paths[node]
     assert 2 < count <= 13 and any(path and path[-1] == eos for path in paths)
-    assert torch.equal(bitmask, _node_bitmasks("r", entry, SimpleNamespace(tree=tree), 0, count))
+    assert torch.equal(bitmask, _node_bitmasks("r", entry, committed, SimpleNamespace(tree=tree), 0, count))
 
 
 def test_default_adaptive_budget_under_grammars_equals_plain_decoding(pair_dirs):

@@ -29,8 +29,15 @@ candidates its grammar admits at each node's path (`core.filtered_tree`), starti
 this step's output, so the budget goes to nodes the acceptance walk can accept. Correctness does not
 depend on it (the per-node masks alone make every emitted token the grammar-masked target's).
 
+Under a reasoning parser (without `enable_in_reasoning`) the grammar starts where vLLM starts it
+(`node_reasoning`): a node is masked only once the reasoning has ended on the committed output or on
+its path (judged token by token by vLLM's own `_get_constraint_bounds`, as plain decoding commits
+them), and the grammar consumes only the tokens after the end (the end token too when the parser calls
+it content). Nodes before the end stay unmasked and every candidate enters their subtrees.
+
 Invariant: a grammar's state between steps is the state after the request's committed output
-(`_RequestGrammar.consumed` tokens of it); the walk returns it there.
+(`_RequestGrammar.consumed` tokens of it, of which the grammar consumed those after the reasoning's
+end); the walk returns it there.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from vllm.v1.structured_output.request import get_structured_output_key
 
 from vllm_ddtree.core import DraftTree
 from vllm_ddtree.core.filtered_tree import build_filtered_tree
+from vllm_ddtree.vllm.node_reasoning import REASONING_ATTR, ReasoningGate, ReasoningGates
 from vllm_ddtree.vllm.tree_step import TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -70,6 +78,27 @@ class _RequestGrammar:
     broken: bool = False
     proposal: _ProposedMasks | None = None
     """The node bitmasks `filtered_trees` computed for the request's latest tree (used at most once)."""
+    gate: ReasoningGate | None = None
+    """Where the grammar starts under a reasoning parser; None: from the first output token."""
+    ended: bool = True
+    """Whether the reasoning has ended on the `consumed` output tokens (always, without a gate)."""
+
+    def grammar_tokens(self, before: list[int], ended: bool, tokens: list[int]) -> tuple[bool, list[int]]:
+        """For `tokens` following the output tokens `before` in reasoning state `ended`: whether the
+        reasoning has ended after them, and the ones the grammar consumes (those after the end)."""
+        if ended or self.gate is None:
+            return True, tokens
+        for k, token in enumerate(tokens):
+            skip = self.gate.grammar_start(before + tokens[:k], token)
+            if skip is not None:
+                return True, tokens[k + skip :]
+        return False, []
+
+    def reset(self) -> None:
+        """Back to the state before any output token."""
+        self.grammar.reset()
+        self.consumed = 0
+        self.ended = self.gate is None
 
 
 @dataclass(frozen=True)
@@ -101,6 +130,9 @@ class NodeGrammars:
         self._vllm_config = vllm_config
         self._backends: dict[str, StructuredOutputBackend] = {}
         self._grammars: dict[str, _RequestGrammar] = {}
+        self._reasoning_gates: ReasoningGates | None = None
+        self._reasoning: dict[str, tuple[bool | None, dict | None]] = {}
+        """(reasoning_ended, reasoning_parser_kwargs) of new requests, by id, until their grammar exists."""
         self._uncompiled: set[str] = set()
         """Requests whose grammar this runner could not compile (never expected: vLLM's scheduler
         compiled the same one before scheduling them); served unmasked, ended by vLLM's grammar."""
@@ -108,7 +140,16 @@ class NodeGrammars:
     def drop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._grammars.pop(req_id, None)
+            self._reasoning.pop(req_id, None)
             self._uncompiled.discard(req_id)
+
+    def note_new_requests(self, new_requests: Iterable[Any]) -> None:
+        """Keep the reasoning inputs vLLM's scheduler sent with new requests (vLLM's `NewRequestData`,
+        `REASONING_ATTR`; first sight only: a resumed request's grammar already exists)."""
+        for new in new_requests:
+            reasoning = getattr(new, REASONING_ATTR, None)
+            if reasoning is not None and new.req_id not in self._grammars:
+                self._reasoning.setdefault(new.req_id, reasoning)
 
     def mask_(self, logits: torch.Tensor, step: TreeStep, req_ids: list[str], requests: dict[str, Any]) -> None:
         """Mask in place the logits rows [rows, V] of every node of every structured request of the
@@ -123,7 +164,7 @@ class NodeGrammars:
             params = state.sampling_params
             if params is None or params.structured_outputs is None or params.structured_outputs.all_constraints_none():
                 continue  # not a structured request for vLLM either (`StructuredOutputRequest.from_sampling_params`)
-            entry = self._caught_up(req_id, params, state.output_token_ids)
+            entry = self._caught_up(req_id, params, state)
             if entry is None:
                 continue
             if node_rows is None:
@@ -131,7 +172,8 @@ class NodeGrammars:
             count = int(step.tree.num_nodes[index])
             proposal, entry.proposal = entry.proposal, None
             reused = None if proposal is None else proposal.masks_for(step, index, count, entry.consumed)
-            masks.append(reused if reused is not None else _node_bitmasks(req_id, entry, step, index, count))
+            output = state.output_token_ids[: entry.consumed]
+            masks.append(reused if reused is not None else _node_bitmasks(req_id, entry, output, step, index, count))
             rows += node_rows[index, :count].tolist()
         if rows:
             _apply_bitmask_(logits, torch.cat(masks), torch.tensor(rows))
@@ -164,13 +206,16 @@ class NodeGrammars:
                 continue
             new = [token for token in emitted[index].tolist() if token >= 0]
             stops = params.all_stop_token_ids
-            if any(token in stops for token in new) or entry.grammar.validate_tokens(new) != new:
+            output = requests[req_id].output_token_ids[: entry.consumed]
+            ended, consumed = entry.grammar_tokens(output, entry.ended, new)
+            if any(token in stops for token in new) or entry.grammar.validate_tokens(consumed) != consumed:
                 continue  # the request stops here (or its grammar disagrees: vLLM's scheduler ends it)
-            entry.grammar.accept_tokens(req_id, new)
+            entry.grammar.accept_tokens(req_id, consumed)
             try:
-                tree, bitmask = _filtered_tree(req_id, entry, stops, int(trees.token_ids[index, 0]), top_logprobs[index], top_token_ids[index], budget)
+                tree, bitmask = _filtered_tree(req_id, entry, output + new, ended, stops, int(trees.token_ids[index, 0]),
+                                               top_logprobs[index], top_token_ids[index], budget)
             finally:
-                entry.grammar.rollback(len(new))
+                entry.grammar.rollback(len(consumed))
             rebuilt[index] = tree
             count = int(tree.num_nodes[0])
             entry.proposal = _ProposedMasks(entry.consumed + len(new), tree.token_ids[0, :count].tolist(), tree.parents[0, :count].tolist(), bitmask)
@@ -182,27 +227,32 @@ class NodeGrammars:
                 values[index] = getattr(tree, name)[0]
         return DraftTree(**fields, max_depth=trees.max_depth)
 
-    def _caught_up(self, req_id: str, params: Any, output: list[int]) -> _RequestGrammar | None:
-        """The request's grammar at the state after `output` (compiled on first use), None if broken."""
+    def _caught_up(self, req_id: str, params: Any, state: Any) -> _RequestGrammar | None:
+        """The request's grammar at the state after its committed output (compiled on first use), None
+        if broken. state: the runner's `CachedRequestState`."""
         entry = self._grammars.get(req_id)
         if entry is None:
             if req_id in self._uncompiled:
                 return None
             try:
                 entry = self._grammars[req_id] = self._compile(params)
+                entry.gate = self._reasoning_gates.gate(params, state.prompt_token_ids or [], self._reasoning.pop(req_id, (None, None)))
+                entry.ended = entry.gate is None
             except Exception:  # noqa: BLE001 - one request's grammar must not stop the engine
+                self._grammars.pop(req_id, None)
                 logger.exception("method 'ddtree': could not compile the grammar of request %s", req_id)
                 self._uncompiled.add(req_id)
                 return None
         if entry.broken:
             return None
+        output = state.output_token_ids
         if entry.consumed > len(output):  # never expected (committed tokens stay): start over
-            entry.grammar.reset()
-            entry.consumed = 0
+            entry.reset()
         if entry.consumed < len(output):
-            new = list(output[entry.consumed :])
+            before, new = list(output[: entry.consumed]), list(output[entry.consumed :])
             entry.consumed = len(output)
-            if not entry.grammar.accept_tokens(req_id, new):
+            entry.ended, new = entry.grammar_tokens(before, entry.ended, new)
+            if new and not entry.grammar.accept_tokens(req_id, new):
                 logger.error("method 'ddtree': the grammar of request %s rejected committed tokens %s", req_id, new)
                 entry.broken = True
                 return None
@@ -214,19 +264,19 @@ class NodeGrammars:
         backend = self._backends.get(name)
         if backend is None:
             model_config = self._vllm_config.model_config
-            backend = self._backends[name] = BACKENDS[name](
-                self._vllm_config,
-                tokenizer=cached_tokenizer_from_config(model_config=model_config),
-                vocab_size=model_config.get_vocab_size(),
-            )
+            tokenizer = cached_tokenizer_from_config(model_config=model_config)
+            backend = self._backends[name] = BACKENDS[name](self._vllm_config, tokenizer=tokenizer, vocab_size=model_config.get_vocab_size())
+            if self._reasoning_gates is None:
+                self._reasoning_gates = ReasoningGates(self._vllm_config, tokenizer)
         request_type, spec = get_structured_output_key(params.structured_outputs)
         grammar = backend.compile_grammar(request_type, spec, stop_token_ids=params.all_stop_token_ids)
         return _RequestGrammar(grammar, backend)
 
 
-def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: int, count: int) -> torch.Tensor:
+def _node_bitmasks(req_id: str, entry: _RequestGrammar, output: list[int], step: TreeStep, index: int, count: int) -> torch.Tensor:
     """[count, W] int32 bitmask of each of request `index`'s first `count` nodes (all bits set where
-    unconstrained). Depth-first from the root (the committed state); the grammar ends where it started."""
+    unconstrained: while reasoning, after a stop). Depth-first from the root (the state after the
+    committed `output`); the grammar ends where it started."""
     grammar = entry.grammar
     bitmask = entry.backend.allocate_token_bitmask(count)
     bitmask.fill_(-1)
@@ -237,41 +287,62 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, step: TreeStep, index: i
     for node in range(1, count):
         children[parents[node]].append(node)
 
-    def fill(node: int) -> None:
-        if grammar.is_terminated():
-            return
-        grammar.fill_bitmask(bitmask, node)
+    def fill(node: int, ended: bool, path: list[int]) -> None:
+        if ended:
+            if grammar.is_terminated():
+                return
+            grammar.fill_bitmask(bitmask, node)
         for child in children[node]:
-            if _allows(words[node], tokens[child]) and grammar.accept_tokens(req_id, [tokens[child]]):
-                fill(child)
-                grammar.rollback(1)
+            token = tokens[child]
+            if ended and not _allows(words[node], token):
+                continue
+            child_ended, consumed = (True, [token]) if ended else entry.grammar_tokens(output + path, ended, [token])
+            if consumed and not grammar.accept_tokens(req_id, consumed):
+                continue  # an end token the parser calls content, which the grammar rejects
+            fill(child, child_ended, path + [token])
+            grammar.rollback(len(consumed))
 
-    fill(0)
+    fill(0, entry.ended, [])
     return bitmask
 
 
 def _filtered_tree(
-    req_id: str, entry: _RequestGrammar, stops: set[int], root: int, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int
+    req_id: str, entry: _RequestGrammar, output: list[int], ended: bool, stops: set[int], root: int, top_logprobs: torch.Tensor,
+    top_token_ids: torch.Tensor, budget: int
 ) -> tuple[DraftTree, torch.Tensor]:
-    """One request's best-first tree among the candidates its grammar (at the root's state) admits, and
-    its nodes' bitmasks [num_nodes, W] as the verify step applies them (`_ProposedMasks`)."""
+    """One request's best-first tree among the candidates its grammar (at the root's state: after
+    `output`, reasoning `ended` or not) admits, and its nodes' bitmasks [num_nodes, W] as the verify
+    step applies them (`_ProposedMasks`); while reasoning, every candidate is admitted."""
     grammar = entry.grammar
     bitmask = entry.backend.allocate_token_bitmask(budget + 1)  # row i: node i, filled as nodes are admitted
     words = bitmask.numpy()  # the same memory
-    grammar.fill_bitmask(bitmask, 0)
+    if ended:
+        grammar.fill_bitmask(bitmask, 0)
+    else:
+        words[0] = -1
     paths: list[list[int]] = [[]]
+    consumed_paths: list[list[int]] = [[]]  # the tokens of each path the grammar consumes
+    reasoning_ended = [ended]
 
     def admit(parent: int, token: int) -> bool:
-        if not _allows(words[parent], token):
+        if reasoning_ended[parent] and not _allows(words[parent], token):
             return False
-        node, path = len(paths), paths[parent] + [token]
+        parent_ended = reasoning_ended[parent]
+        child_ended, consumed = (True, [token]) if parent_ended else entry.grammar_tokens(output + paths[parent], False, [token])
+        node, path, consumed_path = len(paths), paths[parent] + [token], consumed_paths[parent] + consumed
         if token in stops:
             words[node] = 0  # nothing follows a stop token
+        elif not child_ended:
+            words[node] = -1
+        elif not parent_ended and grammar.validate_tokens(consumed_path) != consumed_path:
+            return False  # an end token the parser calls content, which the grammar rejects
         else:
-            grammar.accept_tokens(req_id, path)
+            grammar.accept_tokens(req_id, consumed_path)
             grammar.fill_bitmask(bitmask, node)
-            grammar.rollback(len(path))
+            grammar.rollback(len(consumed_path))
         paths.append(path)
+        consumed_paths.append(consumed_path)
+        reasoning_ended.append(child_ended)
         return True
 
     tree = build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)

@@ -53,7 +53,7 @@ def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _ADMITTING_FOR_DDTREE.reset(admitting)
         if ddtree:
-            check_request(params, self.structured_outputs_config)
+            check_request(params)
         return result
 
     return validate_params
@@ -82,6 +82,22 @@ def _get_grammar_bitmask(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(self, scheduler_output)
 
     return get_grammar_bitmask
+
+
+def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm_ddtree.vllm.node_reasoning import REASONING_ATTR
+
+    @functools.wraps(original)
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        if _runs_ddtree(self):
+            for new in output.scheduled_new_reqs:
+                structured = self.requests[new.req_id].structured_output_request
+                if structured is not None:
+                    setattr(new, REASONING_ATTR, (structured.reasoning_ended, structured.reasoning_parser_kwargs))
+        return output
+
+    return schedule
 
 
 def _validate_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -182,6 +198,19 @@ def all_patches() -> list[Patch]:
             name="get_grammar_bitmask",
             make=_get_grammar_bitmask,
             why="no chain-walked structured-output masks for method 'ddtree' (its runner masks every tree node)",
+            remove_when="vLLM lets speculative methods supply per-draft grammar masks (RFC vllm#36219)",
+        ),
+        # Why: under a reasoning parser vLLM starts a structured request's grammar where its reasoning
+        # ends, from request-level inputs (`reasoning_ended`, `reasoning_parser_kwargs`) that only the
+        # scheduler's `Request` holds. The runner masks tree nodes itself (`node_grammar`), so for
+        # 'ddtree' engines each new structured request's inputs ride on its `NewRequestData`
+        # (`node_reasoning.REASONING_ATTR`; pickled with it for worker processes).
+        # Remove when: vLLM lets a speculative method supply per-draft masks (same registry as above).
+        Patch(
+            owner=Scheduler,
+            name="schedule",
+            make=_schedule,
+            why="hand method 'ddtree' runners each new structured request's reasoning inputs (where its grammar starts)",
             remove_when="vLLM lets speculative methods supply per-draft grammar masks (RFC vllm#36219)",
         ),
         # Why: vLLM truncates each request's drafts at the first token its grammar rejects when walked as

@@ -189,6 +189,7 @@ class DDTreeRunnerMixin:
         starts = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs] - 1 - num_drafts
         self._proposals.drop(scheduler_output.finished_req_ids)
         self.node_grammars.drop(scheduler_output.finished_req_ids)
+        self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, self._proposals)
         if step.num_chain_fallbacks:
             self.num_chain_fallbacks += step.num_chain_fallbacks

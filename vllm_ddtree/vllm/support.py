@@ -9,14 +9,14 @@ tree node is processed with its own history: the committed output plus its path,
 and logit_bias (vLLM 0.32 refuses both under any speculative method; a declared patch lifts that for
 'ddtree' engines), and structured outputs (JSON schema, JSON object, regex, choice, grammar) with the
 xgrammar or guidance backend (every tree node masked by the grammar state after its path,
-`node_grammar`). (vLLM 0.32 itself caps logprobs and prompt_logprobs at the engine's max_logprobs, -1
-included, and refuses prompt_logprob_token_ids on the V1 model runner, which method 'ddtree' runs on.)
-Refused: structured outputs with another backend (outlines, lm-format-enforcer: not tested under trees)
-or under a reasoning parser without `enable_in_reasoning` (vLLM starts such a grammar where the
-reasoning ends, which the runner's grammars do not track), thinking budgets and watermarking. Such
-requests are refused at admission (`check_request`, called from vLLM's request validation: the caller
-gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and the engine keeps
-serving the other requests), never served with the options ignored.
+`node_grammar`), also under a reasoning parser (the grammar starts where vLLM starts it: nodes are
+masked once the reasoning has ended on the output or the node's path, `node_reasoning`). (vLLM 0.32
+itself caps logprobs and prompt_logprobs at the engine's max_logprobs, -1 included, and refuses
+prompt_logprob_token_ids on the V1 model runner, which method 'ddtree' runs on.) Refused: structured
+outputs with another backend (outlines, lm-format-enforcer: not tested under trees), thinking budgets
+and watermarking. Such requests are refused at admission (`check_request`, called from vLLM's request
+validation: the caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and
+the engine keeps serving the other requests), never served with the options ignored.
 """
 
 from __future__ import annotations
@@ -34,19 +34,14 @@ class UnsupportedRequestError(VLLMValidationError, ValueError):
     serving) that is also a ValueError (what an offline caller expects of invalid parameters)."""
 
 
-def unsupported_options(params: Any, structured_outputs_config: Any = None) -> list[str]:
+def unsupported_options(params: Any) -> list[str]:
     """Names of the options in a vLLM SamplingParams that method 'ddtree' does not support, once vLLM
-    validated it (which resolves the structured-output backend); structured_outputs_config: the
-    engine's (vLLM's `StructuredOutputsConfig`; None: no reasoning parser)."""
+    validated it (which resolves the structured-output backend)."""
     structured = params.structured_outputs
     backend = None if structured is None else structured._backend
-    reasoning = structured_outputs_config is not None and bool(structured_outputs_config.reasoning_parser)
     checks = {
         f"structured outputs with the {backend!r} backend (served: {', '.join(SERVED_BACKENDS)})": (
             structured is not None and backend is not None and backend not in SERVED_BACKENDS
-        ),
-        "structured outputs under a reasoning_parser (without enable_in_reasoning)": (
-            structured is not None and reasoning and not structured_outputs_config.enable_in_reasoning
         ),
         "thinking_token_budget": params.thinking_token_budget is not None,
         "watermarking": bool(params.watermarking),
@@ -54,9 +49,9 @@ def unsupported_options(params: Any, structured_outputs_config: Any = None) -> l
     return [name for name, present in checks.items() if present]
 
 
-def check_request(params: Any, structured_outputs_config: Any = None) -> None:
+def check_request(params: Any) -> None:
     """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support."""
-    found = unsupported_options(params, structured_outputs_config)
+    found = unsupported_options(params)
     if found:
         raise UnsupportedRequestError(
             f"method 'ddtree' does not support {', '.join(found)}; "

@@ -1,0 +1,196 @@
+"""Structured outputs under a reasoning parser: the grammar starts where vLLM starts it.
+
+With `reasoning_parser` set (and `enable_in_reasoning` off) vLLM leaves a structured request
+unconstrained until its reasoning ends, then masks every later token with the grammar fed the tokens
+after the end. Method 'ddtree' decides that per tree node with vLLM's own code on the node's path
+(`node_reasoning`), so a tree may hold reasoning nodes, the end token and grammar-masked nodes below it.
+
+The embedded trained pair has no thinking tokens, so the test registers a reasoning parser of its
+own (in-process engines: the scheduler and the runner see it): the reasoning is the rest of the
+prompt's last line and ends at the first output token holding a newline (never in the prompt), which
+the code prompts cut mid-line reach within a few tokens. A regex grammar then asks for one short code
+line. Plain decoding and method 'ddtree' (budget 16, fixed trees) serve the same greedy requests and
+seeded sampled ones under xgrammar; checked: greedy tokens equal plain decoding's, every output is the
+reasoning (no newline) then the end token then a grammar match (stopped) or prefix, and trees still
+accept more than one token per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import regex
+
+from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
+
+PARSER = "ddtree_test_newline"
+REGEX = r" *(return|self\.[a-z_]{1,12} =|[a-z_]{1,12} =) [a-z_.()]{1,24}\n"
+NUM_PROMPTS = 8
+MAX_TOKENS = 48
+
+
+def _register_parser() -> None:
+    from vllm.reasoning import ReasoningParser, ReasoningParserManager
+
+    class NewlineReasoningParser(ReasoningParser):
+        """Reasoning until the first output token holding a newline (the end token is not content)."""
+
+        def __init__(self, tokenizer, *args, **kwargs):
+            super().__init__(tokenizer, *args, **kwargs)
+            self.end_token_ids = {i for token, i in self.vocab.items() if "Ċ" in token}
+
+        def is_reasoning_end(self, input_ids):
+            return False  # a prompt never ends the reasoning
+
+        def is_reasoning_end_streaming(self, input_ids, delta_ids):
+            return any(token in self.end_token_ids for token in delta_ids)
+
+        def extract_content_ids(self, input_ids):
+            ends = [k for k, token in enumerate(input_ids) if token in self.end_token_ids]
+            return input_ids[ends[0] + 1 :] if ends else []
+
+        def extract_reasoning(self, model_output, request):
+            return model_output, None
+
+        def extract_reasoning_streaming(self, *args, **kwargs):
+            return None
+
+    ReasoningParserManager.register_module(PARSER, module=NewlineReasoningParser)
+
+
+def _params(seed: int | None = None):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    sampling = {"temperature": 0.0} if seed is None else {"temperature": 0.8, "seed": seed}
+    return SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputsParams(regex=REGEX), **sampling)
+
+
+@pytest.fixture(scope="module")
+def runs(pair_dirs):
+    from vllm import LLM
+
+    from vllm_ddtree.demo import heldout_prompts
+
+    _register_parser()
+    target, draft = pair_dirs["trained"]
+    texts = heldout_prompts(NUM_PROMPTS, 40, as_text=True)
+    params = [_params() for _ in texts] + [_params(seed=i) for i in range(len(texts))]
+    spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
+    results = {}
+    for name, config in (("plain", None), ("ddtree", spec)):
+        llm = LLM(model=target, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
+                  kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048,
+                  max_num_seqs=32, seed=0, speculative_config=config, disable_log_stats=False,
+                  structured_outputs_config={"backend": "xgrammar", "reasoning_parser": PARSER})
+        try:
+            outs = llm.generate(texts + texts, params, use_tqdm=False)
+            metrics = {m.name: m.value for m in llm.get_metrics()
+                       if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+            results[name] = {"outputs": [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
+                             "metrics": metrics}
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    return results
+
+
+def test_greedy_equals_plain_decoding_under_a_reasoning_parser(runs):
+    ours, plain = runs["ddtree"]["outputs"][:NUM_PROMPTS], runs["plain"]["outputs"][:NUM_PROMPTS]
+    assert ours == plain
+
+
+def _reasoning_then_grammar(text: str, reason: str) -> bool:
+    """The reasoning (no newline), the end token (newlines and maybe indentation), then the grammar."""
+    end = regex.match(r"[^\n]*\n[\n ]*", text)
+    if end is None:
+        return reason == "length"  # still reasoning
+    rest = text[end.end() :]
+    return regex.fullmatch(REGEX, rest, partial=reason == "length") is not None  # cut by max_tokens: a prefix
+
+
+@pytest.mark.parametrize("engine", ["plain", "ddtree"])
+def test_outputs_reason_then_follow_the_grammar(runs, engine):
+    outputs = runs[engine]["outputs"]
+    assert not [o for o in outputs if not _reasoning_then_grammar(o[0], o[2])]
+    assert sum(reason == "stop" for _, _, reason in outputs) >= NUM_PROMPTS // 2
+
+
+def test_trees_accept_across_the_reasoning_end(runs):
+    metrics = runs["ddtree"]["metrics"]
+    tokens_per_step = 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / metrics["vllm:spec_decode_num_drafts"]
+    print(f"tokens per verify step: {tokens_per_step:.2f}")
+    assert tokens_per_step > 1.5
+
+
+def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
+    """A tree mixing reasoning nodes, end tokens and nodes after them, against vLLM's rule: a node
+    still reasoning is unmasked; a node at or below an end token is masked by a fresh grammar fed the
+    path's tokens after the end; a node the grammar forbids is never entered (left unmasked)."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    from tests.e2e.test_structured_outputs import VOCAB, _fake_vllm_config
+    from vllm_ddtree.core import DraftTree
+    from vllm_ddtree.vllm.node_grammar import _filtered_tree, _node_bitmasks, _RequestGrammar
+    from vllm_ddtree.vllm.node_reasoning import ReasoningGates
+
+    _register_parser()
+    target, _ = pair_dirs["trained"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    backend = XgrammarBackend(_fake_vllm_config(8), tokenizer=tokenizer, vocab_size=VOCAB)
+    structured = StructuredOutputsParams(regex=REGEX)
+
+    def grammar():
+        return backend.compile_grammar(*get_structured_output_key(structured), stop_token_ids={0})
+
+    config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=PARSER, reasoning_parser_plugin="", enable_in_reasoning=False))
+    gate = ReasoningGates(config, tokenizer).gate(SimpleNamespace(structured_outputs=structured), [5, 6, 7], (None, None))
+    assert gate is not None
+    x, end, self_, paren, ret = 88, 199, 279, 8, 2079
+    # node: 0 root, 1 x, 2 end, 3 end under 1, 4 self under 2, 5 '(' under 2 (forbidden), 6 return under 3, 7 x under 1
+    tokens = [x, x, end, end, self_, paren, ret, x]
+    parents = [-1, 0, 0, 1, 2, 2, 3, 1]
+    depths = [0, 1, 1, 2, 2, 2, 3, 2]
+    tree = DraftTree(token_ids=torch.tensor([tokens]), parents=torch.tensor([parents]), depths=torch.tensor([depths]),
+                     ranks=torch.zeros(1, 8, dtype=torch.long), valid=torch.ones(1, 8, dtype=torch.bool),
+                     num_nodes=torch.tensor([8]), max_depth=3)
+    entry = _RequestGrammar(grammar(), backend, gate=gate, ended=False)
+    masks = _node_bitmasks("r", entry, [x], SimpleNamespace(tree=tree), 0, 8)
+    full = torch.full_like(masks[0], -1)
+    after_end = {2: [], 3: [], 4: [self_], 6: [ret]}  # node -> the path's tokens after the end token
+    for node in range(8):
+        if node not in after_end:  # reasoning (0, 1, 7) or forbidden after the end (5)
+            assert torch.equal(masks[node], full), node
+            continue
+        fresh = grammar()
+        assert fresh.accept_tokens("r", after_end[node])
+        expected = backend.allocate_token_bitmask(1)
+        fresh.fill_bitmask(expected, 0)
+        assert torch.equal(masks[node], expected[0]), node
+        assert not torch.equal(masks[node], full)
+    assert entry.grammar.accept_tokens("r", [ret])  # the walk left the grammar where it began
+
+    # A grammar-filtered tree from the same reasoning state: every candidate enters while reasoning,
+    # only grammar paths after an end token, and its verify masks are the walk's.
+    entry = _RequestGrammar(grammar(), backend, gate=gate, ended=False)
+    candidates = [x, end, self_, paren, ret]
+    gen = torch.Generator().manual_seed(0)
+    top_logprobs = torch.randn(4, len(candidates), generator=gen).log_softmax(-1).sort(-1, descending=True).values
+    top_token_ids = torch.stack([torch.tensor(candidates)[torch.randperm(len(candidates), generator=gen)] for _ in range(4)])
+    filtered, bitmask = _filtered_tree("r", entry, [x], False, {0}, x, top_logprobs, top_token_ids, 12)
+    count = int(filtered.num_nodes[0])
+    assert count == 13
+    walked = _node_bitmasks("r", entry, [x], SimpleNamespace(tree=filtered), 0, count)
+    assert torch.equal(bitmask, walked)
+    node_tokens, node_parents = filtered.token_ids[0].tolist(), filtered.parents[0].tolist()
+    for node in range(1, count):
+        path, at = [], node
+        while at > 0:
+            path.insert(0, node_tokens[at])
+            at = node_parents[at]
+        if end in path[:-1]:  # after the end token: a grammar path
+            assert grammar().accept_tokens("r", path[path.index(end) + 1 :]), path
