@@ -14,9 +14,11 @@ masked once the reasoning has ended on the output or the node's path, `node_reas
 itself caps logprobs and prompt_logprobs at the engine's max_logprobs, -1 included, and refuses
 prompt_logprob_token_ids on the V1 model runner, which method 'ddtree' runs on.) Refused: structured
 outputs with another backend (outlines, lm-format-enforcer: not tested under trees), thinking budgets
-and watermarking. Such requests are refused at admission (`check_request`, called from vLLM's request
-validation: the caller gets `UnsupportedRequestError`, HTTP 400 when serving, a ValueError offline, and
-the engine keeps serving the other requests), never served with the options ignored.
+and watermarking; also values vLLM admits offline but no engine serves: seeds a torch generator cannot
+take (they stop any vLLM engine) and NaN logit_bias values. Such requests are refused at admission
+(`check_request`, called from vLLM's request validation: the caller gets `UnsupportedRequestError`,
+HTTP 400 when serving, a ValueError offline, and the engine keeps serving the other requests), never
+served with the options ignored.
 """
 
 from __future__ import annotations
@@ -49,8 +51,32 @@ def unsupported_options(params: Any) -> list[str]:
     return [name for name, present in checks.items() if present]
 
 
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""The seeds a torch generator takes; vLLM's runner seeds one per seeded request (sample i of n > 1
+with seed + i) when it first schedules it, and a seed outside this range raises there, stopping the
+engine (plain decoding too; vLLM's server bounds seeds, offline calls are not bounded)."""
+
+
+def invalid_values(params: Any) -> dict[str, str]:
+    """Option -> why, for values vLLM admits but no engine can serve: a seed a torch generator cannot
+    take (not an integer, or out of range: it would stop the engine), NaN logit_bias values (no
+    distribution to draw from; vLLM's server clamps biases to [-100, 100], offline values pass as given)."""
+    found = {}
+    seed, samples = params.seed, max(1, params.n)
+    if seed is not None and not (isinstance(seed, int) and SEED_RANGE[0] <= seed and seed + samples - 1 <= SEED_RANGE[1]):
+        found["seed"] = (f"seed {seed!r} (with n={samples}) is not an integer a torch generator takes; "
+                         f"use a seed in [{SEED_RANGE[0]}, {SEED_RANGE[1] - samples + 1}]")
+    if params.logit_bias and any(bias != bias for bias in params.logit_bias.values()):
+        found["logit_bias"] = "logit_bias values must be numbers (NaN given); use finite biases, or -inf / inf to ban / force a token"
+    return found
+
+
 def check_request(params: Any) -> None:
-    """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support."""
+    """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support,
+    or values no engine can serve (`invalid_values`)."""
+    invalid = invalid_values(params)
+    if invalid:
+        raise UnsupportedRequestError("; ".join(invalid.values()), parameter=next(iter(invalid)))
     found = unsupported_options(params)
     if found:
         raise UnsupportedRequestError(
