@@ -10,9 +10,12 @@ own (in-process engines: the scheduler and the runner see it): the reasoning is 
 prompt's last line and ends at the first output token holding a newline (never in the prompt), which
 the code prompts cut mid-line reach within a few tokens. A regex grammar then asks for one short code
 line. Plain decoding and method 'ddtree' (budget 16, fixed trees) serve the same greedy requests and
-seeded sampled ones under xgrammar; checked: greedy tokens equal plain decoding's, every output is the
-reasoning (no newline) then the end token then a grammar match (stopped) or prefix, and trees still
-accept more than one token per step.
+seeded sampled ones under xgrammar, then greedy requests carrying vLLM's request-level reasoning inputs
+(as the chat server sends them): `reasoning_ended` (the grammar applies from the first token) and
+`reasoning_parser_kwargs` (the reasoning ends at the first token holding ":"), which reach the runner
+through the scheduler patch. Checked: greedy tokens equal plain decoding's, every output of the first
+batch is the reasoning (no newline) then the end token then a grammar match (stopped) or prefix, the
+request-level inputs change the outputs, and trees still accept more than one token per step.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ def _register_parser() -> None:
     from vllm.reasoning import ReasoningParser, ReasoningParserManager
 
     class NewlineReasoningParser(ReasoningParser):
-        """Reasoning until the first output token holding a newline (the end token is not content)."""
+        """Reasoning until the first output token holding a newline, or `ends` (a parser kwarg of the
+        request; the end token is not content)."""
 
-        def __init__(self, tokenizer, *args, **kwargs):
+        def __init__(self, tokenizer, *args, ends: str = "Ċ", **kwargs):
             super().__init__(tokenizer, *args, **kwargs)
-            self.end_token_ids = {i for token, i in self.vocab.items() if "Ċ" in token}
+            self.end_token_ids = {i for token, i in self.vocab.items() if ends in token}
 
         def is_reasoning_end(self, input_ids):
             return False  # a prompt never ends the reasoning
@@ -87,15 +91,47 @@ def runs(pair_dirs):
             metrics = {m.name: m.value for m in llm.get_metrics()
                        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
             results[name] = {"outputs": [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
-                             "metrics": metrics}
+                             "metrics": metrics, "inputs": _with_reasoning_inputs(llm, texts[: NUM_PROMPTS // 2])}
         finally:
             llm.llm_engine.engine_core.shutdown()
     return results
 
 
+REASONING_INPUTS = {"reasoning_ended": (True, None), "parser kwargs": (None, {"ends": ":"})}
+
+
+def _with_reasoning_inputs(llm, texts: list[str]) -> dict[str, list[list[int]]]:
+    """Greedy outputs of `texts` sent with each of REASONING_INPUTS (reasoning_ended,
+    reasoning_parser_kwargs) set on the engine request, as vLLM's chat server sets them."""
+    engine = llm.llm_engine
+    tokenizer = llm.get_tokenizer()
+    for name, (ended, kwargs) in REASONING_INPUTS.items():
+        for k, text in enumerate(texts):
+            request = engine.input_processor.process_inputs(f"{name}/{k}", {"prompt_token_ids": tokenizer.encode(text)}, _params(),
+                                                            supported_tasks=engine.get_supported_tasks())
+            request.reasoning_ended, request.reasoning_parser_kwargs = ended, kwargs
+            engine.add_request(request.request_id, request, request.params)
+    outputs = {name: [[] for _ in texts] for name in REASONING_INPUTS}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                name, k = out.request_id.split("/")  # vLLM may suffix the id: "<name>/<k>-<suffix>"
+                outputs[name][int(k.split("-")[0])] = list(out.outputs[0].token_ids)
+    return outputs
+
+
 def test_greedy_equals_plain_decoding_under_a_reasoning_parser(runs):
     ours, plain = runs["ddtree"]["outputs"][:NUM_PROMPTS], runs["plain"]["outputs"][:NUM_PROMPTS]
     assert ours == plain
+
+
+def test_request_level_reasoning_inputs_are_honoured(runs):
+    """reasoning_ended and reasoning_parser_kwargs reach the runner: greedy equals plain decoding with
+    each, and each changes the output (the grammar starts elsewhere)."""
+    assert runs["ddtree"]["inputs"] == runs["plain"]["inputs"]
+    default = [tokens for _, tokens, _ in runs["plain"]["outputs"][: NUM_PROMPTS // 2]]
+    for name, outputs in runs["plain"]["inputs"].items():
+        assert all(outputs) and outputs != default, name
 
 
 def _reasoning_then_grammar(text: str, reason: str) -> bool:
