@@ -5,17 +5,19 @@ unconstrained until its reasoning ends, then masks every later token with the gr
 after the end. Method 'ddtree' decides that per tree node with vLLM's own code on the node's path
 (`node_reasoning`), so a tree may hold reasoning nodes, the end token and grammar-masked nodes below it.
 
-The embedded trained pair has no thinking tokens, so the test registers a reasoning parser of its
-own (in-process engines: the scheduler and the runner see it): the reasoning is the rest of the
-prompt's last line and ends at the first output token holding a newline (never in the prompt), which
-the code prompts cut mid-line reach within a few tokens. A regex grammar then asks for one short code
+The embedded trained pair has no thinking tokens, so the test brings a reasoning parser of its own
+(`newline_reasoning`, a `reasoning_parser_plugin`): the reasoning is the rest of the prompt's last line
+and ends at the first output token holding a newline (never in the prompt), which the code prompts cut
+mid-line reach within a few tokens. A regex grammar then asks for one short code
 line. Plain decoding and method 'ddtree' (budget 16, fixed trees) serve the same greedy requests and
 seeded sampled ones under xgrammar, then greedy requests carrying vLLM's request-level reasoning inputs
 (as the chat server sends them): `reasoning_ended` (the grammar applies from the first token) and
 `reasoning_parser_kwargs` (the reasoning ends at the first token holding ":"), which reach the runner
 through the scheduler patch. Checked: greedy tokens equal plain decoding's, every output of the first
 batch is the reasoning (no newline) then the end token then a grammar match (stopped) or prefix, the
-request-level inputs change the outputs, and trees still accept more than one token per step.
+request-level inputs change the outputs, and trees still accept more than one token per step. The
+same greedy requests under tensor parallelism 2 (multiprocess executor: each worker imports the plugin
+and gets the inputs with the pickled scheduler output) equal plain decoding's too.
 """
 
 from __future__ import annotations
@@ -24,41 +26,12 @@ import pytest
 import regex
 
 from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
+from tests.e2e.newline_reasoning import PARSER, PLUGIN
 
-PARSER = "ddtree_test_newline"
 REGEX = r" *(return|self\.[a-z_]{1,12} =|[a-z_]{1,12} =) [a-z_.()]{1,24}\n"
 NUM_PROMPTS = 8
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "reasoning_parser": PARSER, "reasoning_parser_plugin": PLUGIN}
 MAX_TOKENS = 48
-
-
-def _register_parser() -> None:
-    from vllm.reasoning import ReasoningParser, ReasoningParserManager
-
-    class NewlineReasoningParser(ReasoningParser):
-        """Reasoning until the first output token holding a newline, or `ends` (a parser kwarg of the
-        request; the end token is not content)."""
-
-        def __init__(self, tokenizer, *args, ends: str = "Ċ", **kwargs):
-            super().__init__(tokenizer, *args, **kwargs)
-            self.end_token_ids = {i for token, i in self.vocab.items() if ends in token}
-
-        def is_reasoning_end(self, input_ids):
-            return False  # a prompt never ends the reasoning
-
-        def is_reasoning_end_streaming(self, input_ids, delta_ids):
-            return any(token in self.end_token_ids for token in delta_ids)
-
-        def extract_content_ids(self, input_ids):
-            ends = [k for k, token in enumerate(input_ids) if token in self.end_token_ids]
-            return input_ids[ends[0] + 1 :] if ends else []
-
-        def extract_reasoning(self, model_output, request):
-            return model_output, None
-
-        def extract_reasoning_streaming(self, *args, **kwargs):
-            return None
-
-    ReasoningParserManager.register_module(PARSER, module=NewlineReasoningParser)
 
 
 def _params(seed: int | None = None):
@@ -75,7 +48,6 @@ def runs(pair_dirs):
 
     from vllm_ddtree.demo import heldout_prompts
 
-    _register_parser()
     target, draft = pair_dirs["trained"]
     texts = heldout_prompts(NUM_PROMPTS, 40, as_text=True)
     params = [_params() for _ in texts] + [_params(seed=i) for i in range(len(texts))]
@@ -85,7 +57,7 @@ def runs(pair_dirs):
         llm = LLM(model=target, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
                   kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=2048,
                   max_num_seqs=32, seed=0, speculative_config=config, disable_log_stats=False,
-                  structured_outputs_config={"backend": "xgrammar", "reasoning_parser": PARSER})
+                  structured_outputs_config=STRUCTURED_OUTPUTS_CONFIG)
         try:
             outs = llm.generate(texts + texts, params, use_tqdm=False)
             metrics = {m.name: m.value for m in llm.get_metrics()
@@ -174,7 +146,6 @@ def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
     from vllm_ddtree.vllm.node_grammar import _filtered_tree, _node_bitmasks, _RequestGrammar
     from vllm_ddtree.vllm.node_reasoning import ReasoningGates
 
-    _register_parser()
     target, _ = pair_dirs["trained"]
     tokenizer = AutoTokenizer.from_pretrained(target)
     backend = XgrammarBackend(_fake_vllm_config(8), tokenizer=tokenizer, vocab_size=VOCAB)
@@ -230,3 +201,32 @@ def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
             at = node_parents[at]
         if end in path[:-1]:  # after the end token: a grammar path
             assert grammar().accept_tokens("r", path[path.index(end) + 1 :]), path
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(runs, pair_dirs):
+    """The greedy requests and the request-level inputs on a TP=2 ddtree engine (after `runs`' engines)."""
+    from vllm import LLM
+
+    from vllm_ddtree.demo import heldout_prompts
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    target, draft = pair_dirs["trained"]
+    texts = heldout_prompts(NUM_PROMPTS, 40, as_text=True)
+    llm = LLM(model=target, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+              max_num_batched_tokens=2048, max_num_seqs=32, seed=0, tensor_parallel_size=2, distributed_executor_backend="mp",
+              speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False},
+              structured_outputs_config=STRUCTURED_OUTPUTS_CONFIG)
+    try:
+        outs = llm.generate(texts, [_params() for _ in texts], use_tqdm=False)
+        return {"outputs": [(o.outputs[0].text, list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs],
+                "inputs": _with_reasoning_inputs(llm, texts[: NUM_PROMPTS // 2])}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        mp.undo()
+
+
+def test_tensor_parallel_equals_plain_decoding_under_a_reasoning_parser(runs, tensor_parallel):
+    assert tensor_parallel["outputs"] == runs["plain"]["outputs"][:NUM_PROMPTS]
+    assert tensor_parallel["inputs"] == runs["plain"]["inputs"]
