@@ -40,6 +40,12 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
 
     @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        # Host tensors here: dropping the plan's identity entries costs less than copying them (a chain
+        # or a path through each tree's first children moves nothing).
+        moves = src_slots != dst_slots
+        if not bool(moves.any()):
+            return
+        src_slots, dst_slots = src_slots[moves], dst_slots[moves]
         indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self._target_attention_layers():
             kv_cache = layer.kv_cache
