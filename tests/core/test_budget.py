@@ -307,3 +307,39 @@ def test_an_unlucky_early_timing_of_off_does_not_keep_it_out():
             first_off = policy.seconds.get((batch_bucket(16), shape)) is None
     assert policy.best_shape(16) == TreeShape(0, 1)
     assert chosen[-100:].count(TreeShape(0, 1)) > 80
+
+
+def test_a_drop_in_acceptance_takes_the_policy_off_trees_within_a_few_dozen_steps():
+    """Greedy code accepts long paths (trees pay), then sampling at T > 0 accepts few: the tree's token
+    estimate must follow within tens of steps (decay 0.97; with 0.99 the tree would hold ~130 steps)."""
+    shapes = candidate_shapes(16, 7)  # off, 4, chain of 7, 8, 16
+    policy = AdaptiveBudget(shapes, explore=0.05)
+    seconds = {s: 0.01 * (1 + s.budget / 16) for s in shapes}  # a tree of 16 costs twice an off step
+
+    def run(tokens: dict[TreeShape, float], steps: int) -> list[TreeShape]:
+        chosen = []
+        for _ in range(steps):
+            shape = policy.choose(1)
+            chosen.append(shape)
+            policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in nested_shapes(shapes, shape)})
+        return chosen
+
+    budgets = {s: s.budget for s in shapes}
+    greedy = {s: 1.0 + 2.5 * min(1.0, budgets[s] / 8) for s in shapes}  # tree 16: 3.5 tokens in 0.02 s > off
+    sampled = {s: 1.0 + 0.5 * min(1.0, budgets[s] / 16) for s in shapes}  # tree 16: 1.5 tokens: off is best
+    assert run(greedy, 300)[-50:].count(OFF) < 10
+    after = run(sampled, 200)
+    assert after[100:].count(OFF) >= 85
+
+
+def test_a_shape_measured_long_ago_is_relearnt_from_its_next_steps():
+    from vllm_ddtree.core.budget import DecayedMean
+
+    stale = DecayedMean()
+    stale.add(3.0, 0.97, step=1)
+    stale.add(1.0, 0.97, step=201)  # 200 engine steps later: the old value weighs 0.97**200
+    assert stale.mean == pytest.approx(1.0, abs=0.01)
+    fresh = DecayedMean()
+    fresh.add(3.0, 0.97, step=1)
+    fresh.add(1.0, 0.97, step=2)
+    assert fresh.mean == pytest.approx((0.97 * 3.0 + 1.0) / 1.97)

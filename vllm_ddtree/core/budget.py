@@ -8,7 +8,10 @@ it commits per request and step, pooled over all batch sizes (acceptance depends
 the batch, and small buckets see few steps). Seconds are measured for the shape a step used, except
 its first step in the bucket (one-time costs: new tensor shapes, caches), and follow only shape and
 batch, so a short window of recent steps serves. Tokens follow the text (a repetition loop accepts every draft, fresh code
-few), so they are averaged over about a hundred steps. Tokens are measured for the shape a step used AND for every
+few; sampling at T > 0 fewer than greedy), so they are decayed means over about thirty steps, decayed by
+engine steps rather than by the shape's own observations: a shape not run for a while (its tokens
+measured on other text) is re-learnt from its next few steps instead of holding a stale estimate that
+a hundred steps of a worse shape would be needed to wash out. Tokens are measured for the shape a step used AND for every
 candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
 of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
 accepted exactly the accepted path's nodes of index <= b (off: none) — paired, noise-free comparisons.
@@ -119,16 +122,21 @@ class RecentMedian:
 
 @dataclass
 class DecayedMean:
-    """Exponentially weighted mean of a per-step quantity."""
+    """Exponentially weighted mean of a per-step quantity, decayed by the engine steps since the last
+    value: a value observed `step - last_step` steps ago weighs decay**(that) as much as a new one, so
+    a shape measured long ago (the text has changed since) is re-learnt from its next few steps."""
 
     total: float = 0.0
     weight: float = 0.0
     steps: int = 0
+    last_step: int = 0
 
-    def add(self, value: float, decay: float) -> None:
-        self.total = decay * self.total + value
-        self.weight = decay * self.weight + 1.0
+    def add(self, value: float, decay: float, step: int) -> None:
+        factor = decay ** max(1, step - self.last_step)
+        self.total = factor * self.total + value
+        self.weight = factor * self.weight + 1.0
         self.steps += 1
+        self.last_step = step
 
     @property
     def mean(self) -> float:
@@ -253,7 +261,7 @@ class AdaptiveBudget:
     explore: float = 0.05
     margin: float = 0.03
     seconds_window: int = 9
-    tokens_decay: float = 0.99
+    tokens_decay: float = 0.97
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     seconds: dict[tuple[int, TreeShape], RecentMedian] = field(default_factory=dict)
@@ -264,6 +272,7 @@ class AdaptiveBudget:
     _hold_now: int = 0
     _rng: torch.Generator | None = None
     _best: dict[int, int] = field(default_factory=dict)
+    _observed_steps: int = 0
 
     def choose(self, num_requests: int) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests."""
@@ -281,8 +290,9 @@ class AdaptiveBudget:
         if (bucket, used) in self._untimed_first_steps:
             self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds)
         self._untimed_first_steps.add((bucket, used))
+        self._observed_steps += 1
         for shape, count in tokens.items():
-            self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay)
+            self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay, self._observed_steps)
 
     def best_shape(self, num_requests: int) -> TreeShape | None:
         """The shape this batch size's bucket holds as its best (None until it has measurements)."""
