@@ -65,7 +65,7 @@ def test_climbs_to_the_fastest_shape_without_trying_far_ones():
     assert TreeShape(64) not in chosen and TreeShape(4) not in chosen
 
 
-def test_probes_briefly_and_a_new_batch_size_starts_where_the_nearest_one_stands():
+def test_probes_briefly_and_a_new_batch_size_starts_where_an_adjacent_one_stands():
     shapes = candidate_shapes(64, 7)  # off, 4, chain of 7, 8, 16, 32, 64
     rates = {s: 100.0 - 10 * abs(i - 2) for i, s in enumerate(shapes)}  # the chain is fastest
     policy = AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0)
@@ -73,7 +73,8 @@ def test_probes_briefly_and_a_new_batch_size_starts_where_the_nearest_one_stands
     assert chosen[:2] == [TreeShape(8)] * 2 and chosen[6:8] == [TreeShape(7, 1)] * 2  # probes: 2 steps each
     assert chosen[2:6] == [TreeShape(0, 1)] * 4  # off, the reference, is timed over a full hold
     assert chosen[-4:] == [TreeShape(7, 1)] * 4
-    assert simulate(policy, rates, 1, num_requests=5)[0] == TreeShape(7, 1)  # bucket 4-7 starts at 16's best
+    assert simulate(policy, rates, 1, num_requests=8)[0] == TreeShape(7, 1)  # bucket 8-15 starts at 16's best
+    assert simulate(policy, rates, 1, num_requests=1)[0] == OFF  # a far bucket starts at the cheap reference
 
 
 def test_walks_down_to_off_when_speculation_does_not_pay():

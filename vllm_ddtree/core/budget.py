@@ -21,8 +21,9 @@ with every tree step too (`chain_accepted`); without them the chain would be mea
 steps, on other text than the trees it is compared with. (A tree ending right below the chain's
 accepted run gives a lower bound; best-first trees of 8 or more nodes rarely do: about 1% low.)
 Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can be very slow,
-so they are never tried blindly): a bucket starts where the nearest bucket with measurements stands
-(the first one: at the first tree of at least 8 nodes, or the cap), and times the references next:
+so they are never tried blindly): a bucket starts where an adjacent bucket with measurements stands,
+at off when only far buckets have measurements (the first one: at the first tree of at least 8
+nodes, or the cap), and times the references next:
 off (cheap) and the chain, what a user would run instead of trees (at large batches on compute-bound
 hardware speculation loses, and a climb down to them would take several probes or stop on a tie
 before them); then take the best measured tokens
@@ -336,9 +337,15 @@ class AdaptiveBudget:
         return {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
 
     def _start_index(self, bucket: int) -> int:
-        """Where the nearest measured bucket's best shape is; else the first tree of >= 8 nodes (or the cap)."""
-        for other in sorted({b for b, _ in self.seconds}, key=lambda b: (abs(b - bucket), b)):
+        """Where an adjacent measured bucket's best shape is; else, when only far batch sizes were
+        measured (whose best says little here: trees that pay at batch 1 can cost several times an off
+        step at batch 16), off, the cheap reference; else (nothing measured) the first tree of >= 8
+        nodes (or the cap)."""
+        measured = sorted({b for b, _ in self.seconds}, key=lambda b: (abs(b - bucket), b))
+        for other in (b for b in measured if abs(b - bucket) <= 1):
             if rates := self._rates(other):
                 return max(rates, key=rates.get)
+        if measured:
+            return self.shapes.index(OFF)
         trees = [i for i, shape in enumerate(self.shapes) if shape.topk is None and shape.budget >= 8]
         return trees[0] if trees else len(self.shapes) - 1
