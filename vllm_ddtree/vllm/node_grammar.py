@@ -172,7 +172,7 @@ class NodeGrammars:
             count = int(step.tree.num_nodes[index])
             proposal, entry.proposal = entry.proposal, None
             reused = None if proposal is None else proposal.masks_for(step, index, count, entry.consumed)
-            output = state.output_token_ids[: entry.consumed]
+            output = [] if entry.ended else state.output_token_ids[: entry.consumed]  # read only while reasoning
             masks.append(reused if reused is not None else _node_bitmasks(req_id, entry, output, step, index, count))
             rows += node_rows[index, :count].tolist()
         if rows:
@@ -206,7 +206,7 @@ class NodeGrammars:
                 continue
             new = [token for token in emitted[index].tolist() if token >= 0]
             stops = params.all_stop_token_ids
-            output = requests[req_id].output_token_ids[: entry.consumed]
+            output = [] if entry.ended else requests[req_id].output_token_ids[: entry.consumed]  # read only while reasoning
             ended, consumed = entry.grammar_tokens(output, entry.ended, new)
             if any(token in stops for token in new) or entry.grammar.validate_tokens(consumed) != consumed:
                 continue  # the request stops here (or its grammar disagrees: vLLM's scheduler ends it)
@@ -249,7 +249,8 @@ class NodeGrammars:
         if entry.consumed > len(output):  # never expected (committed tokens stay): start over
             entry.reset()
         if entry.consumed < len(output):
-            before, new = list(output[: entry.consumed]), list(output[entry.consumed :])
+            before = [] if entry.ended else list(output[: entry.consumed])  # read only while reasoning
+            new = list(output[entry.consumed :])
             entry.consumed = len(output)
             entry.ended, new = entry.grammar_tokens(before, entry.ended, new)
             if new and not entry.grammar.accept_tokens(req_id, new):
