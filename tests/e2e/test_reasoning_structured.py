@@ -18,6 +18,10 @@ batch is the reasoning (no newline) then the end token then a grammar match (sto
 request-level inputs change the outputs, and trees still accept more than one token per step. The
 same greedy requests under tensor parallelism 2 (multiprocess executor: each worker imports the plugin
 and gets the inputs with the pickled scheduler output) equal plain decoding's too.
+
+Without an engine: every node's mask across an end token and a grammar-filtered tree's masks against
+fresh grammars, and an end token the parser calls content (vLLM's engine parsers' implicit ends) fed
+to the grammar as its first token.
 """
 
 from __future__ import annotations
@@ -230,3 +234,49 @@ def tensor_parallel(runs, pair_dirs):
 def test_tensor_parallel_equals_plain_decoding_under_a_reasoning_parser(runs, tensor_parallel):
     assert tensor_parallel["outputs"] == runs["plain"]["outputs"][:NUM_PROMPTS]
     assert tensor_parallel["inputs"] == runs["plain"]["inputs"]
+
+
+def test_an_implicit_end_token_is_fed_to_the_grammar(pair_dirs):
+    """A parser that calls its end token content (vLLM's engine parsers report such "implicit" ends, e.g.
+    a tool-call start): the end token itself is the grammar's first token, so a node below it is
+    masked by the grammar after it, and an end token the grammar rejects is never entered."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    from tests.e2e.test_structured_outputs import VOCAB, _fake_vllm_config
+    from vllm_ddtree.core import DraftTree
+    from vllm_ddtree.vllm.node_grammar import _node_bitmasks, _RequestGrammar
+
+    target, _ = pair_dirs["trained"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    backend = XgrammarBackend(_fake_vllm_config(8), tokenizer=tokenizer, vocab_size=VOCAB)
+    structured = StructuredOutputsParams(regex=REGEX)
+
+    def grammar():
+        return backend.compile_grammar(*get_structured_output_key(structured), stop_token_ids={0})
+
+    x, paren, ret, space = 88, 8, 2079, 221
+    implicit_ends = {ret, paren}  # content end tokens: 'return' starts the grammar, '(' is rejected by it
+    gate = SimpleNamespace(grammar_start=lambda before, token: 0 if token in implicit_ends else None)
+    # node: 0 root, 1 x, 2 return, 3 '(' , 4 ' ' under 2, 5 return under 1
+    tokens, parents, depths = [x, x, ret, paren, space, ret], [-1, 0, 0, 0, 2, 1], [0, 1, 1, 1, 2, 2]
+    tree = DraftTree(token_ids=torch.tensor([tokens]), parents=torch.tensor([parents]), depths=torch.tensor([depths]),
+                     ranks=torch.zeros(1, 6, dtype=torch.long), valid=torch.ones(1, 6, dtype=torch.bool),
+                     num_nodes=torch.tensor([6]), max_depth=2)
+    masks = _node_bitmasks("r", _RequestGrammar(grammar(), backend, gate=gate, ended=False), [x], SimpleNamespace(tree=tree), 0, 6)
+    full = torch.full_like(masks[0], -1)
+    consumed = {2: [ret], 4: [ret, space], 5: [ret]}
+    for node in range(6):
+        if node not in consumed:  # reasoning (0, 1) or an end token the grammar rejects (3)
+            assert torch.equal(masks[node], full), node
+            continue
+        fresh = grammar()
+        assert fresh.accept_tokens("r", consumed[node])
+        expected = backend.allocate_token_bitmask(1)
+        fresh.fill_bitmask(expected, 0)
+        assert torch.equal(masks[node], expected[0]), node
