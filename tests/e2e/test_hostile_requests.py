@@ -7,24 +7,27 @@ prompts are prefilled in chunks and trees get cut) and, before it, one plain eng
 settings that computes the references (`plain`). Each probe (`_probes`) is one request:
 - vLLM's own refusals (out-of-vocab logit_bias / allowed_token_ids, empty allowed_token_ids,
   min_tokens > max_tokens, out-of-range sampling values, too many logprobs, empty stop strings,
-  invalid or unsatisfiable grammars, empty or too long prompts, min_tokens past the room left): whatever plain decoding refuses,
-  method 'ddtree' refuses with the same message, for that request only;
+  invalid or unsatisfiable grammars, empty or too long prompts, min_tokens past the room left, greedy
+  n > 1): whatever plain decoding refuses, method 'ddtree' refuses with the same message, for that
+  request only;
 - the rest must give plain decoding's output exactly (tokens, text, finish and stop reason,
   logprobs and prompt logprobs within float tolerance): greedy requests under every option at its
   extremes (huge and infinite logit biases, one allowed token, bad words longer than the output /
-  overlapping / single-token, min_tokens = max_tokens, max_tokens 1, stop strings with logprobs and
-  with a grammar, penalties at their limits and beyond (+inf logits), logprobs at vLLM's max with
-  prompt_logprobs and penalties, grammars that admit only EOS or one string, a prompt of
-  max_model_len - 1 tokens, max_tokens 1e9), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k 1
-  at T 2) and sampled requests whose rows have no mass at all (every token masked; +inf biases);
-- seeded sampled requests (n > 1 with penalties, top_k past the vocabulary, T 2, T 1e-6 (vLLM clamps it to 0.01),
-  a grammar, seeds at both ends of the range) have no plain reference (vLLM's sampler draws other
-  uniforms): their tokens must not depend on the batch, the step shapes or the timing.
+  overlapping / single-token, min_tokens = max_tokens, max_tokens 1 and 1e9, stop strings with
+  logprobs and with a grammar, penalties at their limits and beyond (+inf logits), logprobs at vLLM's
+  max with prompt_logprobs and penalties, grammars that admit only EOS or one string, a prompt of
+  max_model_len - 1 tokens), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k
+  1 at T 2) and sampled requests whose rows have no mass at all (every token masked; +inf biases);
+- seeded sampled requests (n > 1 with penalties, top_k past the vocabulary, T 2, T 1e-6 (vLLM clamps
+  it to 0.01), a grammar, a choice with n 2, logprobs and a stop string, seeds at both ends of the
+  range) have no plain reference (vLLM's sampler draws other uniforms): their tokens must not depend
+  on the batch, the step shapes or the timing.
 Runs: every probe alone (a fixed tree each step), all of them in one batch with the step shapes
-forced through off / tree / chain / small tree, refusals while requests are in flight (also method
+forced through off / tree / chain / small trees, refusals while requests are in flight (also method
 'ddtree''s own: seeds a torch generator cannot take, NaN biases), aborts mid-prefill and mid-decode,
-and the adaptive policy with seeded random delays injected into every step (its choices vary, the
-outputs may not). After each run a plain greedy batch still equals plain decoding.
+the adaptive policy with seeded random delays injected into every step (its choices vary, the
+outputs may not), and vLLM's beam search (per-step logprobs requests). After each run a plain greedy
+batch still equals plain decoding.
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ MAX_TOKENS = 24
 TOKEN_BUDGET = 64  # max_num_batched_tokens: chunked prefill, trees cut in full batches
 TOL = 1e-4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-NUM_VLLM_REFUSALS = 20  # the first probes of `_probes`
+NUM_VLLM_REFUSALS = 21  # the first probes of `_probes`
 TREE = [TreeShape(BUDGET)]
 MIXED = [OFF, TreeShape(BUDGET), TreeShape(DEPTH, 1), TreeShape(4), TreeShape(8)]
+CHOICES = ["return self", "return None", "raise NotImplementedError", "pass"]
 DEF_REGEX = r"def [a-z_]{1,12}\(self(, [a-z_]{1,12}){0,2}\):"
 
 
@@ -123,6 +127,7 @@ def _probes(free: list[list[int]], tokenizer: Any) -> dict[str, Probe]:
         "invalid regex": p(0, structured_outputs=Structured(regex="(((")),
         "empty prompt": Probe({"prompt_token_ids": []}, {}),
         "prompt of max_model_len + 1 tokens": Probe(_long_prompt(MAX_MODEL_LEN + 1), {}),
+        "n 2, greedy": p(0, n=2),
         "min_tokens past the room left": Probe(_long_prompt(MAX_MODEL_LEN - 12), {"max_tokens": None, "min_tokens": 20}),
         # greedy, equal to plain decoding
         "logit_bias 1e30": p(1, logit_bias={f4: 1e30}),
@@ -163,6 +168,8 @@ def _probes(free: list[list[int]], tokenizer: Any) -> dict[str, Probe]:
         "top_k past the vocabulary": p(1, True, temperature=1.0, top_k=10**6, seed=5),
         "temperature 2, top_p": p(2, True, temperature=2.0, top_p=0.9, seed=6),
         "temperature 1e-6, clamped to 0.01": p(3, True, temperature=1e-6, seed=7),
+        "seeded choice, n 2, logprobs, stop string": p(5, True, n=2, temperature=1.0, seed=11, logprobs=2, stop=["r"],
+                                                       structured_outputs=Structured(choice=CHOICES), ignore_eos=False),
         "seeded json object": p(4, True, temperature=0.8, seed=8, structured_outputs=Structured(json_object=True), ignore_eos=False),
         "seeded min_p and logit_bias": p(5, True, temperature=1.0, min_p=0.2, logit_bias={f0: 2.0}, seed=9),
         "seeded allowed_token_ids and bad_words": p(6, True, temperature=0.7, allowed_token_ids=frequent, bad_words=words([f0]), seed=10),
@@ -250,6 +257,15 @@ def _batch(llm, probes: dict[str, Probe]) -> dict[str, dict]:
     return {name: _record(output) for name, output in zip(probes, outputs)}
 
 
+def _beam_search(llm) -> list:
+    """vLLM's offline beam search (greedy requests of max_tokens 1 with 2 x beam_width logprobs, one
+    per beam per token) on two prompts: every beam's tokens and cumulative logprob."""
+    from vllm.sampling_params import BeamSearchParams
+
+    outputs = llm.beam_search([{"prompt": text} for text in _texts()[:2]], BeamSearchParams(beam_width=3, max_tokens=12))
+    return [[(list(s.tokens), s.cum_logprob) for s in output.sequences] for output in outputs]
+
+
 @pytest.fixture(scope="module")
 def plain(pair_dirs) -> dict:
     """Plain decoding's references, computed before the module's ddtree engine starts: the free greedy
@@ -263,7 +279,7 @@ def plain(pair_dirs) -> dict:
         probes = _probes(free, llm.get_tokenizer())
         alone = _try(llm, {name: probe for name, probe in probes.items() if not probe.seeded})
         served = {name: probes[name] for name, result in alone.items() if isinstance(result, dict)}
-        return {"free": free, "probes": probes, "alone": alone, "batch": _batch(llm, served)}
+        return {"free": free, "probes": probes, "alone": alone, "batch": _batch(llm, served), "beams": _beam_search(llm)}
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -331,6 +347,14 @@ def test_seeded_probes_are_complete(alone, plain):
         assert len(samples) == plain["probes"][name].options.get("n", 1), name
         assert all(0 < len(s[0]) <= MAX_TOKENS and all(0 <= t < 4097 for t in s[0]) for s in samples), name
     assert len({tuple(s[0]) for s in alone["n 3, seeded, penalties"]["samples"]}) > 1
+
+
+def test_beam_search_equals_plain_decoding(engine, plain):
+    _scripted(engine, MIXED)
+    ours = _beam_search(engine)
+    for mine, theirs in zip(ours, plain["beams"]):
+        assert [tokens for tokens, _ in mine] == [tokens for tokens, _ in theirs]
+        assert all(abs(a - b) < TOL for (_, a), (_, b) in zip(mine, theirs))
 
 
 def test_mixed_batch_with_forced_step_shapes(engine, plain, alone):
