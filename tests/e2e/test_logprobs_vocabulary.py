@@ -47,14 +47,14 @@ def _mixed(i: int) -> str:
 
 
 def _engine(target, spec, jobs, **llm_kwargs):
-    """Outputs of one engine (max_logprobs -1) for each (requests, params) job, generated in turn; and
-    what admitting a prompt_logprob_token_ids request raised."""
+    """Outputs of one engine (max_logprobs -1) for each (requests, params) job, generated in turn; what
+    admitting a prompt_logprob_token_ids request raised; and the tokens per verify step (None: none)."""
     from vllm import LLM, SamplingParams
     from vllm.exceptions import VLLMValidationError
 
     llm = LLM(model=target, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, distributed_executor_backend="uni",
               kv_cache_memory_bytes=2**27, max_model_len=512, max_num_seqs=16, seed=0, speculative_config=spec,
-              max_logprobs=-1, **{"max_num_batched_tokens": 64, **llm_kwargs})
+              max_logprobs=-1, disable_log_stats=False, **{"max_num_batched_tokens": 64, **llm_kwargs})
     try:
         outputs = [llm.generate(requests, params, use_tqdm=False) for requests, params in jobs]
         try:
@@ -62,7 +62,10 @@ def _engine(target, spec, jobs, **llm_kwargs):
             refusal = None
         except VLLMValidationError as error:
             refusal = error
-        return outputs, refusal
+        counts = {m.name: m.value for m in llm.get_metrics()
+                  if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")}
+        drafts = counts.get("vllm:spec_decode_num_drafts")
+        return outputs, refusal, 1 + counts["vllm:spec_decode_num_accepted_tokens"] / drafts if drafts else None
     finally:
         llm.llm_engine.engine_core.shutdown()
 
@@ -73,17 +76,17 @@ def runs(pair_dirs):
     fixed = {"method": "ddtree", "model": draft, "num_speculative_tokens": 16, "ddtree_adaptive": False}
     n = len(REQUESTS)
     greedy = {kind: [_params(i, kind, temperature=0.0) for i in range(n)] for kind in ("vocabulary", "ids")}
-    (plain_vocabulary, plain_ids), _ = _engine(target, None, [(REQUESTS, greedy["vocabulary"]), (REQUESTS, greedy["ids"])])
+    (plain_vocabulary, plain_ids), _, _ = _engine(target, None, [(REQUESTS, greedy["vocabulary"]), (REQUESTS, greedy["ids"])])
     mixed_greedy = [greedy[_mixed(i)][i] for i in range(n)]
     mixed_sampled = [_params(i, _mixed(i), temperature=1.0, seed=i) for i in range(n)]
-    (ddtree_greedy, ddtree_sampled), refusal = _engine(target, fixed, [(REQUESTS, mixed_greedy), (REQUESTS, mixed_sampled)])
+    (ddtree_greedy, ddtree_sampled), refusal, tokens_per_step = _engine(target, fixed, [(REQUESTS, mixed_greedy), (REQUESTS, mixed_sampled)])
     forced = [{"prompt_token_ids": r["prompt_token_ids"] + list(o.outputs[0].token_ids)} for r, o in zip(REQUESTS, ddtree_sampled)]
     from vllm import SamplingParams
 
-    (scores,), _ = _engine(target, None, [(forced, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1))],
+    (scores,), _, _ = _engine(target, None, [(forced, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=-1))],
                            max_num_batched_tokens=512)
     return {"plain": {"vocabulary": plain_vocabulary, "ids": plain_ids}, "greedy": ddtree_greedy,
-            "sampled": ddtree_sampled, "scores": scores, "refusal": refusal}
+            "sampled": ddtree_sampled, "scores": scores, "refusal": refusal, "tokens_per_step": tokens_per_step}
 
 
 def _assert_same_position(ours, theirs) -> int:
@@ -154,3 +157,8 @@ def test_sampled_logprobs_equal_teacher_forced_scores(runs):
 
 def test_prompt_logprob_token_ids_refused_by_vllm(runs):
     assert runs["refusal"] is not None and "prompt_logprob_token_ids" in str(runs["refusal"])
+
+
+def test_trees_still_accept(runs):
+    print(f"tokens per verify step (greedy and sampled batches): {runs['tokens_per_step']:.2f}")
+    assert runs["tokens_per_step"] > 1.5
