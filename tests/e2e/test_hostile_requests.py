@@ -7,8 +7,8 @@ prompts are prefilled in chunks and trees get cut) and, before it, one plain eng
 settings that computes the references (`plain`). Each probe (`_probes`) is one request:
 - vLLM's own refusals (out-of-vocab logit_bias / allowed_token_ids, empty allowed_token_ids,
   min_tokens > max_tokens, out-of-range sampling values, too many logprobs, empty stop strings,
-  invalid or unsatisfiable grammars, empty or too long prompts, min_tokens past the room left, greedy
-  n > 1): whatever plain decoding refuses, method 'ddtree' refuses with the same message, for that
+  invalid or unsatisfiable grammars, empty or too long prompts, prompt token ids outside the
+  vocabulary, min_tokens past the room left, greedy n > 1): whatever plain decoding refuses, method 'ddtree' refuses with the same message, for that
   request only;
 - the rest must give plain decoding's output exactly (tokens, text, finish and stop reason,
   logprobs and prompt logprobs within float tolerance): greedy requests under every option at its
@@ -52,7 +52,7 @@ MAX_TOKENS = 24
 TOKEN_BUDGET = 64  # max_num_batched_tokens: chunked prefill, trees cut in full batches
 TOL = 1e-4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-NUM_VLLM_REFUSALS = 21  # the first probes of `_probes`
+NUM_VLLM_REFUSALS = 23  # the first probes of `_probes`
 TREE = [TreeShape(BUDGET)]
 MIXED = [OFF, TreeShape(BUDGET), TreeShape(DEPTH, 1), TreeShape(4), TreeShape(8)]
 CHOICES = ["return self", "return None", "raise NotImplementedError", "pass"]
@@ -126,6 +126,8 @@ def _probes(free: list[list[int]], tokenizer: Any) -> dict[str, Probe]:
         "unsatisfiable json schema": p(0, structured_outputs=Structured(json={"type": "string", "minLength": 5, "maxLength": 2})),
         "invalid regex": p(0, structured_outputs=Structured(regex="(((")),
         "empty prompt": Probe({"prompt_token_ids": []}, {}),
+        "prompt token id past the vocabulary": Probe({"prompt_token_ids": [5, 6, 4097]}, {}),
+        "negative prompt token id": Probe({"prompt_token_ids": [5, -1, 6]}, {}),
         "prompt of max_model_len + 1 tokens": Probe(_long_prompt(MAX_MODEL_LEN + 1), {}),
         "n 2, greedy": p(0, n=2),
         "min_tokens past the room left": Probe(_long_prompt(MAX_MODEL_LEN - 12), {"max_tokens": None, "min_tokens": 20}),
