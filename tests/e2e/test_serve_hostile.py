@@ -3,12 +3,13 @@ embedded trained pair, multiprocess engine as users run it): nothing a client se
 down.
 
 Raw JSON bodies (so NaN, Infinity, integers past int64 and wrong types reach the server as sent),
-all posted at once from threads while greedy completions run beside them. Each hostile request gets
-the status plain decoding's server gives it (400 for what vLLM or method 'ddtree' refuses, 200 for
-what it serves; a 500 only where vLLM itself ends a request with an error: a grammar that rejects
-the one token the other options leave), the greedy completions equal the same completions sent alone before
-(`reference`), and afterwards the server is healthy, runs nothing, holds no KV block, and still
-answers the reference completions unchanged.
+all posted at once from threads while greedy completions run beside them (each twice at once, under
+one client-chosen X-Request-Id). Each hostile request gets the status vLLM's validation gives it (400
+for what vLLM or method 'ddtree' refuses, 200 for what it serves; a 500 only where vLLM itself ends a
+request with an error, as plain decoding does offline: a grammar that rejects the one token the other
+options leave, test_hostile_requests), the greedy completions equal the same completions sent alone
+before (`reference`), and afterwards the server is healthy, runs nothing, holds no KV block, and
+still answers the reference completions unchanged.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def _texts() -> list[str]:
     return heldout_prompts(4, 48, as_text=True)
 
 
-def _post(url: str, body: dict) -> tuple[int, str]:
+def _post(url: str, body: dict, request_id: str | None = None) -> tuple[int, str]:
     """POST a JSON body to the completions endpoint as Python's json writes it (NaN and Infinity
-    included): (status, response text)."""
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    included), with an X-Request-Id header if given: (status, response text)."""
+    headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return response.status, response.read().decode()
@@ -85,9 +87,9 @@ def _post(url: str, body: dict) -> tuple[int, str]:
         return error.code, error.read().decode()
 
 
-def _greedy(url: str, model: str, text: str) -> list[int]:
+def _greedy(url: str, model: str, text: str, request_id: str | None = None) -> list[int]:
     status, body = _post(url, {"model": model, "prompt": text, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                               "ignore_eos": True, "return_token_ids": True})
+                               "ignore_eos": True, "return_token_ids": True}, request_id)
     assert status == 200, body
     return json.loads(body)["choices"][0]["token_ids"]
 
@@ -108,13 +110,14 @@ def test_hostile_requests_are_answered_alone_and_the_server_serves_on(server):
             for i, (name, (fields, _)) in enumerate(HOSTILE.items())]
     jobs += [("greedy", i, None) for i in range(len(texts))]
     with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-        futures = [pool.submit(_greedy, url, model, texts[key]) if kind == "greedy" else pool.submit(_post, url, body)
-                   for kind, key, body in jobs]
+        # every greedy completion twice, both copies under one client-chosen X-Request-Id
+        futures = [pool.submit(_greedy, url, model, texts[key], f"same-id-{key}") if kind == "greedy" else pool.submit(_post, url, body)
+                   for kind, key, body in jobs + [job for job in jobs if job[0] == "greedy"]]
         results = [future.result() for future in futures]
     answers = {key: result for (kind, key, _), result in zip(jobs, results) if kind == "hostile"}
     unexpected = {name: (status, text[:300]) for name, (status, text) in answers.items() if status != HOSTILE[name][1]}
     assert not unexpected, unexpected
-    assert [result for (kind, _, _), result in zip(jobs, results) if kind == "greedy"] == reference
+    assert [result for (kind, _, _), result in zip(jobs + jobs[-len(texts):], results) if kind == "greedy"] == reference * 2
     assert get(f"{url}/health") == ""
     deadline = time.monotonic() + 20
     while True:
