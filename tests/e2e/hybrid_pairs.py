@@ -21,7 +21,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from tests.e2e.pairs import EOS_TOKEN_ID, FOCUS, MASK_TOKEN_ID, VOCAB, PairShape, _qwen3_config
+from tests.e2e.pairs import MASK_TOKEN_ID, VOCAB, PairShape, _qwen3_config, focus_head, save_target
 
 HIDDEN = 128
 NUM_LAYERS = 4
@@ -76,18 +76,8 @@ def build_hybrid_pair(out_dir: str, focused: bool, seed: int = 0, linear_heads: 
             for name, p in target.named_parameters():
                 if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
                     p.mul_(0.05)
-            head = target.lm_head.weight
-            head.mul_(0.1)
-            noise = torch.randn(len(FOCUS), HIDDEN, generator=gen) * 0.4
-            along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
-            head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
-            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
-    target_dir = os.path.join(out_dir, "target")
-    target.save_pretrained(target_dir, safe_serialization=True)
-    if focused:
-        with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
-            json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
-    return target_dir, _write_draft(out_dir, focused, gen)
+            focus_head(target, u, gen)
+    return save_target(target, out_dir, focused), _write_draft(out_dir, focused, gen)
 
 
 def _write_draft(out_dir: str, focused: bool, gen: torch.Generator) -> str:

@@ -64,6 +64,27 @@ def _qwen3_config(num_layers: int, shape: PairShape):
     )
 
 
+def focus_head(target, u: torch.Tensor, gen: torch.Generator) -> None:
+    """The focused target's LM head: FOCUS rows 6u plus context-dependent noise (orthogonal to u), the
+    other rows shrunk; the mask token's embedding 6u (in place, under no_grad)."""
+    head = target.lm_head.weight
+    head.mul_(0.1)
+    noise = torch.randn(len(FOCUS), head.shape[1], generator=gen) * 0.4
+    along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
+    head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
+    target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
+
+
+def save_target(target, out_dir: str, focused: bool) -> str:
+    """Save the target under out_dir/target (a focused one stops at EOS_TOKEN_ID); returns the path."""
+    target_dir = os.path.join(out_dir, "target")
+    target.save_pretrained(target_dir, safe_serialization=True)
+    if focused:
+        with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
+    return target_dir
+
+
 def build_pair(out_dir: str, focused: bool, seed: int = 0, shape: PairShape = PairShape()) -> tuple[str, str]:
     """Write target/ and draft/ under out_dir; returns their paths."""
     from transformers import Qwen3ForCausalLM
@@ -83,17 +104,8 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0, shape: PairShape = Pa
                 layer.mlp.down_proj.weight.mul_(0.05)
             for norm in [target.model.norm] + [m for l in target.model.layers for m in (l.input_layernorm, l.post_attention_layernorm)]:
                 norm.weight.fill_(1.0)
-            head = target.lm_head.weight
-            head.mul_(0.1)
-            noise = torch.randn(len(FOCUS), hidden, generator=gen) * 0.4
-            along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
-            head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
-            target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
-    target_dir = os.path.join(out_dir, "target")
-    target.save_pretrained(target_dir, safe_serialization=True)
-    if focused:
-        with open(os.path.join(target_dir, "generation_config.json"), "w") as f:
-            json.dump({"eos_token_id": EOS_TOKEN_ID}, f)
+            focus_head(target, u, gen)
+    target_dir = save_target(target, out_dir, focused)
 
     draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
     weights = {
