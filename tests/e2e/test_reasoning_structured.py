@@ -133,22 +133,15 @@ def test_trees_accept_across_the_reasoning_end(runs):
     assert tokens_per_step > 1.5
 
 
-def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
-    """A tree mixing reasoning nodes, end tokens and nodes after them, against vLLM's rule: a node
-    still reasoning is unmasked; a node at or below an end token is masked by a fresh grammar fed the
-    path's tokens after the end; a node the grammar forbids is never entered (left unmasked)."""
-    from types import SimpleNamespace
-
-    import torch
+def _regex_grammars(pair_dirs):
+    """(tokenizer, xgrammar backend, the REGEX structured-output params, a factory of fresh grammars for
+    them) on the trained pair's tokenizer."""
     from transformers import AutoTokenizer
     from vllm.sampling_params import StructuredOutputsParams
     from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
     from vllm.v1.structured_output.request import get_structured_output_key
 
     from tests.e2e.test_structured_outputs import VOCAB, _fake_vllm_config
-    from vllm_ddtree.core import DraftTree
-    from vllm_ddtree.vllm.node_grammar import _filtered_tree, _node_bitmasks, _RequestGrammar
-    from vllm_ddtree.vllm.node_reasoning import ReasoningGates
 
     target, _ = pair_dirs["trained"]
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -157,6 +150,23 @@ def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
 
     def grammar():
         return backend.compile_grammar(*get_structured_output_key(structured), stop_token_ids={0})
+
+    return tokenizer, backend, structured, grammar
+
+
+def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
+    """A tree mixing reasoning nodes, end tokens and nodes after them, against vLLM's rule: a node
+    still reasoning is unmasked; a node at or below an end token is masked by a fresh grammar fed the
+    path's tokens after the end; a node the grammar forbids is never entered (left unmasked)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_ddtree.core import DraftTree
+    from vllm_ddtree.vllm.node_grammar import _filtered_tree, _node_bitmasks, _RequestGrammar
+    from vllm_ddtree.vllm.node_reasoning import ReasoningGates
+
+    tokenizer, backend, structured, grammar = _regex_grammars(pair_dirs)
 
     config = SimpleNamespace(structured_outputs_config=SimpleNamespace(reasoning_parser=PARSER, reasoning_parser_plugin="", enable_in_reasoning=False))
     gate = ReasoningGates(config, tokenizer).gate(SimpleNamespace(structured_outputs=structured), [5, 6, 7], (None, None))
@@ -243,22 +253,11 @@ def test_an_implicit_end_token_is_fed_to_the_grammar(pair_dirs):
     from types import SimpleNamespace
 
     import torch
-    from transformers import AutoTokenizer
-    from vllm.sampling_params import StructuredOutputsParams
-    from vllm.v1.structured_output.backend_xgrammar import XgrammarBackend
-    from vllm.v1.structured_output.request import get_structured_output_key
 
-    from tests.e2e.test_structured_outputs import VOCAB, _fake_vllm_config
     from vllm_ddtree.core import DraftTree
     from vllm_ddtree.vllm.node_grammar import _node_bitmasks, _RequestGrammar
 
-    target, _ = pair_dirs["trained"]
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    backend = XgrammarBackend(_fake_vllm_config(8), tokenizer=tokenizer, vocab_size=VOCAB)
-    structured = StructuredOutputsParams(regex=REGEX)
-
-    def grammar():
-        return backend.compile_grammar(*get_structured_output_key(structured), stop_token_ids={0})
+    tokenizer, backend, structured, grammar = _regex_grammars(pair_dirs)
 
     x, paren, ret, space = 88, 8, 2079, 221
     implicit_ends = {ret, paren}  # content end tokens: 'return' starts the grammar, '(' is rejected by it
