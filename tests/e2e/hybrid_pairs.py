@@ -15,13 +15,10 @@ target's token, its top-1 often does not. Trees then beat the chain.
 
 from __future__ import annotations
 
-import json
-import os
 
 import torch
-from safetensors.torch import save_file
 
-from tests.e2e.pairs import MASK_TOKEN_ID, VOCAB, PairShape, _qwen3_config, focus_head, save_target
+from tests.e2e.pairs import VOCAB, PairShape, focus_head, save_target, write_draft
 
 HIDDEN = 128
 NUM_LAYERS = 4
@@ -77,35 +74,4 @@ def build_hybrid_pair(out_dir: str, focused: bool, seed: int = 0, linear_heads: 
                 if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight", "down_proj")):
                     p.mul_(0.05)
             focus_head(target, u, gen)
-    return save_target(target, out_dir, focused), _write_draft(out_dir, focused, gen)
-
-
-def _write_draft(out_dir: str, focused: bool, gen: torch.Generator) -> str:
-    """A one-layer DFlash draft (z-lab format) reading target layers TARGET_LAYER_IDS."""
-    from transformers import Qwen3ForCausalLM
-
-    shape = PairShape(hidden=HIDDEN, target_layers=NUM_LAYERS, target_layer_ids=TARGET_LAYER_IDS)
-    draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
-    weights = {
-        k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
-        for k, v in draft.state_dict().items()
-        if k.startswith("model.") and "embed_tokens" not in k
-    }
-    weights["fc.weight"] = torch.randn(HIDDEN, len(TARGET_LAYER_IDS) * HIDDEN, generator=gen) * 0.05
-    weights["hidden_norm.weight"] = torch.ones(HIDDEN)
-    if focused:
-        for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
-            weights[name].mul_(0.002)
-    draft_dir = os.path.join(out_dir, "draft")
-    os.makedirs(draft_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
-    config = _qwen3_config(shape.draft_layers, shape).to_dict()
-    config.update(
-        architectures=["DFlashDraftModel"],
-        block_size=shape.block_size,
-        num_target_layers=NUM_LAYERS,
-        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(TARGET_LAYER_IDS)},
-    )
-    with open(os.path.join(draft_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return draft_dir
+    return save_target(target, out_dir, focused), write_draft(out_dir, focused, gen, PairShape(hidden=HIDDEN, target_layers=NUM_LAYERS, target_layer_ids=TARGET_LAYER_IDS))

@@ -85,6 +85,38 @@ def save_target(target, out_dir: str, focused: bool) -> str:
     return target_dir
 
 
+def write_draft(out_dir: str, focused: bool, gen: torch.Generator, shape: PairShape) -> str:
+    """Write draft/ under out_dir: a DFlash draft (z-lab format) of `shape` reading the target layers
+    shape.target_layer_ids, its weights drawn from `gen`; returns its path."""
+    from transformers import Qwen3ForCausalLM
+
+    draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
+    weights = {
+        k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
+        for k, v in draft.state_dict().items()
+        if k.startswith("model.") and "embed_tokens" not in k
+    }
+    weights["fc.weight"] = torch.randn(shape.hidden, len(shape.target_layer_ids) * shape.hidden, generator=gen) * 0.05
+    weights["hidden_norm.weight"] = torch.ones(shape.hidden)
+    if focused:
+        for i in range(shape.draft_layers):
+            for name in (f"layers.{i}.self_attn.o_proj.weight", f"layers.{i}.mlp.down_proj.weight"):
+                weights[name].mul_(0.002)
+    draft_dir = os.path.join(out_dir, "draft")
+    os.makedirs(draft_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
+    config = _qwen3_config(shape.draft_layers, shape).to_dict()
+    config.update(
+        architectures=["DFlashDraftModel"],
+        block_size=shape.block_size,
+        num_target_layers=shape.target_layers,
+        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(shape.target_layer_ids)},
+    )
+    with open(os.path.join(draft_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return draft_dir
+
+
 def build_pair(out_dir: str, focused: bool, seed: int = 0, shape: PairShape = PairShape()) -> tuple[str, str]:
     """Write target/ and draft/ under out_dir; returns their paths."""
     from transformers import Qwen3ForCausalLM
@@ -107,28 +139,4 @@ def build_pair(out_dir: str, focused: bool, seed: int = 0, shape: PairShape = Pa
             focus_head(target, u, gen)
     target_dir = save_target(target, out_dir, focused)
 
-    draft = Qwen3ForCausalLM(_qwen3_config(shape.draft_layers, shape))
-    weights = {
-        k[len("model."):]: (torch.randn(v.shape, generator=gen) * 0.3 if v.dim() > 1 else torch.ones_like(v))
-        for k, v in draft.state_dict().items()
-        if k.startswith("model.") and "embed_tokens" not in k
-    }
-    weights["fc.weight"] = torch.randn(hidden, len(shape.target_layer_ids) * hidden, generator=gen) * 0.05
-    weights["hidden_norm.weight"] = torch.ones(hidden)
-    if focused:
-        for i in range(shape.draft_layers):
-            for name in (f"layers.{i}.self_attn.o_proj.weight", f"layers.{i}.mlp.down_proj.weight"):
-                weights[name].mul_(0.002)
-    draft_dir = os.path.join(out_dir, "draft")
-    os.makedirs(draft_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(draft_dir, "model.safetensors"))
-    config = _qwen3_config(shape.draft_layers, shape).to_dict()
-    config.update(
-        architectures=["DFlashDraftModel"],
-        block_size=shape.block_size,
-        num_target_layers=shape.target_layers,
-        dflash_config={"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(shape.target_layer_ids)},
-    )
-    with open(os.path.join(draft_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=1)
-    return target_dir, draft_dir
+    return target_dir, write_draft(out_dir, focused, gen, shape)
