@@ -43,7 +43,7 @@ def script_runs(pair_dirs):
     sample_draft = runner.drafter._sample_draft_tokens
 
     def counting_sample_draft(*args, **kwargs):
-        draft_heads.append(runner.drafter._deferred_rows)  # context rows not yet stored when the draft reads it
+        draft_heads.append(runner.drafter.deferred_rows)  # context rows not yet stored when the draft reads it
         return sample_draft(*args, **kwargs)
 
     runner.drafter._sample_draft_tokens = counting_sample_draft

@@ -53,7 +53,6 @@ class DDTreeProposer(DFlashProposer):
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """Context rows of steps without speculation not yet stored: (target hidden states, positions,
         KV slots), written by `store_deferred_context`."""
-        self._deferred_rows = 0
 
     @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
@@ -124,8 +123,7 @@ class DDTreeProposer(DFlashProposer):
                 target_positions[:num_context].clone(),
                 common_attn_metadata.slot_mapping[:num_context].clone(),
             ))
-            self._deferred_rows += num_context
-            if self._deferred_rows >= DEFERRED_ROWS:
+            if self.deferred_rows >= DEFERRED_ROWS:
                 self.store_deferred_context()
             return
         hidden_states = self.model.combine_hidden_states(target_hidden_states)
@@ -142,6 +140,11 @@ class DDTreeProposer(DFlashProposer):
         slots = self._context_slot_mapping_buffer[:num_context]
         self.model.precompute_and_store_context_kv(hidden_states, positions, slots)
 
+    @property
+    def deferred_rows(self) -> int:
+        """Context rows waiting for `store_deferred_context`."""
+        return sum(positions.shape[0] for _, positions, _ in self._deferred)
+
     def store_deferred_context(self) -> None:
         """Store the deferred context rows of steps without speculation in one pass (no-op if none).
         Must run before a draft pass reads the context and before a KV block holding deferred rows can
@@ -150,7 +153,6 @@ class DDTreeProposer(DFlashProposer):
             return
         states, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
         self._deferred.clear()
-        self._deferred_rows = 0
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
     @override
