@@ -154,6 +154,22 @@ def _regex_grammars(pair_dirs):
     return tokenizer, backend, structured, grammar
 
 
+def _assert_node_masks(masks, num_nodes: int, fed: dict[int, list[int]], grammar, backend) -> None:
+    """Node i of `fed` is masked by a fresh grammar fed fed[i]; every other node is left unmasked."""
+    import torch
+
+    full = torch.full_like(masks[0], -1)
+    for node in range(num_nodes):
+        if node not in fed:
+            assert torch.equal(masks[node], full), node
+            continue
+        fresh = grammar()
+        assert fresh.accept_tokens("r", fed[node])
+        expected = backend.allocate_token_bitmask(1)
+        fresh.fill_bitmask(expected, 0)
+        assert torch.equal(masks[node], expected[0]), node
+
+
 def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
     """A tree mixing reasoning nodes, end tokens and nodes after them, against vLLM's rule: a node
     still reasoning is unmasked; a node at or below an end token is masked by a fresh grammar fed the
@@ -181,18 +197,10 @@ def test_node_bitmasks_start_at_the_reasoning_end(pair_dirs):
                      num_nodes=torch.tensor([8]), max_depth=3)
     entry = _RequestGrammar(grammar(), backend, gate=gate, ended=False)
     masks = _node_bitmasks("r", entry, [x], SimpleNamespace(tree=tree), 0, 8)
-    full = torch.full_like(masks[0], -1)
     after_end = {2: [], 3: [], 4: [self_], 6: [ret]}  # node -> the path's tokens after the end token
-    for node in range(8):
-        if node not in after_end:  # reasoning (0, 1, 7) or forbidden after the end (5)
-            assert torch.equal(masks[node], full), node
-            continue
-        fresh = grammar()
-        assert fresh.accept_tokens("r", after_end[node])
-        expected = backend.allocate_token_bitmask(1)
-        fresh.fill_bitmask(expected, 0)
-        assert torch.equal(masks[node], expected[0]), node
-        assert not torch.equal(masks[node], full)
+    # unmasked: reasoning (0, 1, 7) or forbidden after the end (5)
+    _assert_node_masks(masks, 8, after_end, grammar, backend)
+    assert not any(torch.equal(masks[node], torch.full_like(masks[0], -1)) for node in after_end)
     assert entry.grammar.accept_tokens("r", [ret])  # the walk left the grammar where it began
 
     # A grammar-filtered tree from the same reasoning state: every candidate enters while reasoning,
@@ -268,14 +276,6 @@ def test_an_implicit_end_token_is_fed_to_the_grammar(pair_dirs):
                      ranks=torch.zeros(1, 6, dtype=torch.long), valid=torch.ones(1, 6, dtype=torch.bool),
                      num_nodes=torch.tensor([6]), max_depth=2)
     masks = _node_bitmasks("r", _RequestGrammar(grammar(), backend, gate=gate, ended=False), [x], SimpleNamespace(tree=tree), 0, 6)
-    full = torch.full_like(masks[0], -1)
     consumed = {2: [ret], 4: [ret, space], 5: [ret]}
-    for node in range(6):
-        if node not in consumed:  # reasoning (0, 1) or an end token the grammar rejects (3)
-            assert torch.equal(masks[node], full), node
-            continue
-        fresh = grammar()
-        assert fresh.accept_tokens("r", consumed[node])
-        expected = backend.allocate_token_bitmask(1)
-        fresh.fill_bitmask(expected, 0)
-        assert torch.equal(masks[node], expected[0]), node
+    # unmasked: reasoning (0, 1) or an end token the grammar rejects (3)
+    _assert_node_masks(masks, 6, consumed, grammar, backend)
