@@ -222,8 +222,9 @@ class DDTreeRunnerMixin:
     def _sample(self, logits: torch.Tensor | None, spec_decode_metadata: Any) -> SamplerOutput:
         """The target's token at every node of every request (the core's rule; a structured request's
         node rows first masked in place by the grammar state after the node's path, `node_grammar`,
-        as vLLM masks plain decoding's logits before sampling), the acceptance walk, and KV compaction. Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens,
-        max_tokens, detokenization and the spec-decode metrics need nothing new.
+        as vLLM masks plain decoding's logits before sampling), the acceptance walk, and KV compaction.
+        Output: vLLM's "accepted drafts + bonus, padded -1" rows, so EOS, stop tokens, max_tokens,
+        detokenization and the spec-decode metrics need nothing new.
 
         Under tensor parallelism every rank builds its trees from TP rank 0's draft top-k (`proposer`)
         and the sampled tokens are broadcast from TP rank 0 (unseeded draws differ per rank), so every
