@@ -47,7 +47,7 @@ def script_runs(pair_dirs):
         return sample_draft(*args, **kwargs)
 
     runner.drafter._sample_draft_tokens = counting_sample_draft
-    context_layouts = _check_context_layouts(runner.drafter)
+    context_layouts = _check_context_layouts(runner)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = {}
     deferral = pytest.MonkeyPatch()
@@ -74,28 +74,33 @@ def script_runs(pair_dirs):
     return runs
 
 
-def _check_context_layouts(drafter) -> list[bool]:
+def _check_context_layouts(runner) -> list[bool]:
     """Per off step that verified no drafts: whether the context positions and KV slots it deferred
     (the target's own) equal the layout `set_inputs_first_pass` computes for the same rows (the full
     draft pass's, run here for comparison only). The deferred rows are read before a store pass can
     take them (the fixture raises DEFERRED_ROWS)."""
     results = []
-    store_only = drafter._store_context_only
+    drafter = runner.drafter
+    propose = runner.propose_draft_token_ids
 
-    def checking_store_only(depth, **kw):
-        store_only(depth, **kw)
-        if kw.get("num_rejected_tokens_gpu") is None:
-            _, positions, slots = drafter._deferred[-1]
-            drafter.set_inputs_first_pass(
-                target_token_ids=kw["target_token_ids"], next_token_ids=kw["next_token_ids"],
-                target_positions=kw["target_positions"], target_hidden_states=kw["target_hidden_states"],
-                token_indices_to_sample=kw["token_indices_to_sample"], cad=kw["common_attn_metadata"], num_rejected_tokens_gpu=None,
-            )
+    def checking_propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                         aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
+        deferred = len(drafter._deferred)
+        drafts = propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
+                         aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
+        if len(drafter._deferred) > deferred:
+            states, positions, slots = drafter._deferred[-1]
             n = positions.shape[0]
+            drafter.set_inputs_first_pass(
+                target_token_ids=runner.input_ids.gpu[:n], next_token_ids=sampled_token_ids[:, 0],
+                target_positions=runner._get_positions(n), target_hidden_states=states,
+                token_indices_to_sample=None, cad=common_attn_metadata, num_rejected_tokens_gpu=None,
+            )
             results.append(bool(torch.equal(positions, drafter._context_positions_buffer[:n])
                                 and torch.equal(slots, drafter._context_slot_mapping_buffer[:n])))
+        return drafts
 
-    drafter._store_context_only = checking_store_only
+    runner.propose_draft_token_ids = checking_propose
     return results
 
 

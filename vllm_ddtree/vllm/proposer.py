@@ -54,19 +54,24 @@ class DDTreeProposer(DFlashProposer):
         """Context rows of steps without speculation not yet stored: (target hidden states, positions,
         KV slots), written by `store_deferred_context`."""
 
+    def choose_shape(self, num_requests: int) -> TreeShape:
+        """This step's tree shape, `last_shape`: the budget policy's choice for a batch of `num_requests`
+        (TP rank 0's on every rank), or the fixed shape without a policy."""
+        if self.budget_policy is not None:
+            self.last_shape = _same_on_every_rank(self.budget_policy.choose(num_requests))
+        return self.last_shape
+
     @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
 
-        num_speculative_tokens is the configured tree budget (the cap under the adaptive budget, whose
-        policy picks this step's `last_shape`); next_token_ids [R] are the roots (each request's last
-        committed token); the other arguments are DFlashProposer.propose's. `last_trees` keeps the
-        trees built (None when the step's budget is 0).
+        num_speculative_tokens is the configured tree budget (the cap); the trees have the step's
+        `last_shape` (`choose_shape`, called by the runner first); next_token_ids [R] are the roots (each
+        request's last committed token); the other arguments are DFlashProposer.propose's. `last_trees`
+        keeps the trees built (None when the step's budget is 0).
         """
         depth = min(num_speculative_tokens, self.max_depth)
         shape = self.last_shape
-        if self.budget_policy is not None:
-            shape = self.last_shape = _same_on_every_rank(self.budget_policy.choose(next_token_ids.shape[0]))
         self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
         self._top = None
         self.last_trees = None
@@ -118,13 +123,7 @@ class DDTreeProposer(DFlashProposer):
         self.num_speculative_tokens = depth
         num_context = target_hidden_states.shape[0]
         if num_rejected_tokens_gpu is None:
-            self._deferred.append((
-                target_hidden_states.clone(),
-                target_positions[:num_context].clone(),
-                common_attn_metadata.slot_mapping[:num_context].clone(),
-            ))
-            if self.deferred_rows >= DEFERRED_ROWS:
-                self.store_deferred_context()
+            self.defer_context(target_hidden_states, target_positions[:num_context], common_attn_metadata.slot_mapping[:num_context])
             return
         hidden_states = self.model.combine_hidden_states(target_hidden_states)
         self.set_inputs_first_pass(
@@ -139,6 +138,16 @@ class DDTreeProposer(DFlashProposer):
         positions = self._context_positions_buffer[:num_context]
         slots = self._context_slot_mapping_buffer[:num_context]
         self.model.precompute_and_store_context_kv(hidden_states, positions, slots)
+
+    def defer_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep context rows (the target's hidden states [n, aux layers x hidden], positions [n], KV slots
+        [n]) of a step without drafts for `store_deferred_context`; stored at once when DEFERRED_ROWS wait.
+        positions and slots are copied (views of buffers the next step rewrites); the hidden states too
+        when they are a view (vLLM's concatenation of the aux layers is a fresh tensor)."""
+        states = target_hidden_states.clone() if target_hidden_states._is_view() else target_hidden_states
+        self._deferred.append((states, positions.clone(), slots.clone()))
+        if self.deferred_rows >= DEFERRED_ROWS:
+            self.store_deferred_context()
 
     @property
     def deferred_rows(self) -> int:

@@ -195,9 +195,10 @@ class DDTreeRunnerMixin:
             self.num_chain_fallbacks += step.num_chain_fallbacks
             logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
-        self._set_positions(*step.tree_positions())
-        slot_mapping = self._step_slot_mapping()
-        step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)]
+        if step.has_drafts:  # roots alone keep vLLM's positions, and none of their KV moves
+            self._set_positions(*step.tree_positions())
+            slot_mapping = self._step_slot_mapping()
+            step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)]
         return step
 
     def _set_positions(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
@@ -237,8 +238,9 @@ class DDTreeRunnerMixin:
             processed = self._sample_nodes(logits, step)
             output = self._walk(step)
             logprobs = self._emitted_logprobs(logits, processed, step, output)
-        with self.stage_times.stage(KV_COMPACTION):
-            self._compact_target_kv(step)
+        if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
+            with self.stage_times.stage(KV_COMPACTION):
+                self._compact_target_kv(step)
         if self.clock is not None:
             self._clock_sampled(step, output)
         return SamplerOutput(sampled_token_ids=output.to(logits.device), logprobs_tensors=logprobs)
@@ -335,8 +337,6 @@ class DDTreeRunnerMixin:
         plan = step.plan = kv_compaction_plan(step.acceptance)
         if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
-        if not bool(step.drafted.any()):  # host-side: roots alone, nothing moves
-            return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
         slots = step.node_slots
@@ -371,7 +371,19 @@ class DDTreeRunnerMixin:
         slot_mappings: Any,
     ) -> list[list[int]]:
         step = self.step
-        if step is not None and aux_hidden_states is not None:
+        assert step is not None
+        if self.drafter.choose_shape(self.input_batch.num_reqs).is_off and not step.has_drafts:
+            # No speculation after a step without drafts: every row is context at its own position and KV
+            # slot; the drafter only keeps it (`DDTreeProposer.defer_context`), nothing else of vLLM's
+            # drafting path runs.
+            count = scheduler_output.total_num_scheduled_tokens
+            states = (torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
+                      if self.use_aux_hidden_state_outputs else hidden_states[:count])
+            self.drafter.defer_context(states, self._get_positions(count), common_attn_metadata.slot_mapping[:count])
+            self.drafter.last_trees = None
+            self._drafted = True
+            return [[] for _ in range(self.input_batch.num_reqs)]
+        if step.has_drafts and aux_hidden_states is not None:
             with self.stage_times.stage(KV_COMPACTION):
                 aux_hidden_states = self._path_first(step, aux_hidden_states)
         if spec_decode_metadata is not None and not any(spec_decode_metadata.num_draft_tokens):

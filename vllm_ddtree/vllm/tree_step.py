@@ -141,9 +141,10 @@ class TreeStep:
       root_rows [R]: batch row of each root (its last scheduled row when it has no drafts);
       starts [R]: root position; num_drafts [R]: drafts scheduled (0: a tree of the root alone);
       tree: DraftTree [R, N]; ancestor_mask: tree_attention_mask(tree) [R, N, N];
-      num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's.
+      num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's;
+      has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
     Filled by the runner:
-      node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`);
+      node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`; steps with drafts only);
       target_token_ids [R, N], acceptance, plan: `_sample`.
     """
 
@@ -153,6 +154,7 @@ class TreeStep:
     tree: DraftTree
     ancestor_mask: torch.Tensor
     num_chain_fallbacks: int = 0
+    has_drafts: bool = True
     node_slots: torch.Tensor | None = None
     target_token_ids: torch.Tensor | None = None
     acceptance: TreeAcceptance | None = None
@@ -269,6 +271,7 @@ class TreeStep:
             num_drafts=torch.zeros(num_req, dtype=torch.long),
             tree=tree,
             ancestor_mask=torch.ones(num_req, 1, 1, dtype=torch.bool),
+            has_drafts=False,
         )
 
     @property
