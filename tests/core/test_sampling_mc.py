@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
-from vllm_ddtree.core.sampling import keyed_uniforms
+from vllm_ddtree.core.sampling import _keyed_uniforms_torch, keyed_uniforms
 
 VOCAB = 8
 DRAWS = 40_000
@@ -153,6 +153,14 @@ def splitmix_uniform_oracle(seed: int, position: int) -> float:
 def test_keyed_uniforms_are_splitmix64_of_seed_and_position(seed, position):
     got = float(keyed_uniforms(torch.tensor(seed), torch.tensor(position)))
     assert got == splitmix_uniform_oracle(seed, position) and 0.0 <= got < 1.0
+
+
+@given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=4), st.integers(0, 2**40), st.integers(1, 5))
+def test_keyed_uniforms_on_host_and_in_torch_are_the_same_bits(seeds, first_position, nodes):
+    """Host tensors take numpy's uint64 path, device tensors torch's int64 path: same bits, any seed."""
+    keys = torch.tensor(seeds).unsqueeze(1)
+    positions = first_position + torch.arange(len(seeds) * nodes).view(len(seeds), nodes)
+    assert torch.equal(keyed_uniforms(keys, positions), _keyed_uniforms_torch(keys, positions))
 
 
 def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():

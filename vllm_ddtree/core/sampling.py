@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 GREEDY_EPS = 1e-5
@@ -42,6 +43,8 @@ class TreeSamplingParams:
     seeds: dict[int, int] = field(default_factory=dict)
     all_greedy: bool | None = None
     """Set by callers that know it on the host; None computes it (a device sync on accelerators)."""
+    any_greedy: bool | None = None
+    """Likewise: whether some request is greedy."""
 
     @property
     def is_greedy(self) -> torch.Tensor:
@@ -97,18 +100,13 @@ def sample_tree_tokens(
     root's position); needed when any request is seeded. inplace: `logits` may be overwritten."""
     greedy = params.is_greedy
     all_greedy = bool(greedy.all()) if params.all_greedy is None else params.all_greedy
-    greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2]) if all_greedy or bool(greedy.any()) else None
+    any_greedy = all_greedy or (bool(greedy.any()) if params.any_greedy is None else params.any_greedy)
+    greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2]) if any_greedy else None
     if all_greedy:
         return greedy_tokens
     processed = process_logits(logits, params, inplace)
     probs = processed.softmax(dim=-1)  # one fused pass: max, exp, sum
-    uniforms = torch.rand(probs.shape[:2], dtype=torch.float64, device=probs.device)
-    if params.seeds:
-        if positions is None:
-            raise ValueError("seeded requests need the positions of the tokens their nodes draw")
-        rows = list(params.seeds)
-        seeds = torch.tensor([_signed(params.seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=probs.device)
-        uniforms[rows] = keyed_uniforms(seeds.unsqueeze(1), positions[rows].long())
+    uniforms = _uniforms(params.seeds, positions, probs.shape[:2], probs.device)
     sampled = inverse_cdf(probs.flatten(0, 1), uniforms.flatten()).view(probs.shape[:2])
     no_mass = sampled < 0
     # A row without mass (every token masked, e.g. allowed_token_ids that min_tokens or bad_words forbid,
@@ -117,6 +115,22 @@ def sample_tree_tokens(
     if bool(no_mass.any()):  # a host sync only where it matters; the caller reads the tokens back next
         sampled = torch.where(no_mass, argmax_first(processed.flatten(0, 1)).view(no_mass.shape), sampled)
     return sampled if greedy_tokens is None else torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
+
+
+def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """[R, N] float64 uniforms: keyed by (seed, position) in the rows of seeded requests, from the default
+    generator in the others. Keyed uniforms are computed where `positions` live, then moved to `device`."""
+    if not seeds:
+        return torch.rand(shape, dtype=torch.float64, device=device)
+    if positions is None:
+        raise ValueError("seeded requests need the positions of the tokens their nodes draw")
+    rows = sorted(seeds)
+    keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device).unsqueeze(1)
+    if len(rows) == shape[0]:  # every request seeded (rows are 0 .. R-1)
+        return keyed_uniforms(keys, positions.long()).to(device)
+    uniforms = torch.rand(shape, dtype=torch.float64, device=device)
+    uniforms[rows] = keyed_uniforms(keys, positions[rows].long()).to(device)
+    return uniforms
 
 
 _BLOCK = 64
@@ -180,8 +194,25 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def keyed_uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """float64 uniforms in [0, 1), one per (seed, position) (broadcast): the top 53 bits of
-    splitmix64(seed * golden + position + 1), computed in wrapping int64 arithmetic."""
+    """float64 uniforms in [0, 1), one per (seed, position) (int64 tensors, broadcast): the top 53 bits
+    of splitmix64(seed * golden + position + 1), in wrapping 64-bit arithmetic. Host tensors go through
+    numpy's uint64 (a few vector ops instead of ~20 tensor ops: the per-step cost of small batches);
+    device tensors through torch's int64. Both give the same bits."""
+    if seeds.device.type == "cpu" and positions.device.type == "cpu":
+        return torch.from_numpy(_keyed_uniforms_numpy(seeds.numpy(), positions.numpy()))
+    return _keyed_uniforms_torch(seeds, positions)
+
+
+def _keyed_uniforms_numpy(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps, as intended (0-d inputs are numpy scalars)
+        z = seeds.astype(np.uint64) * np.uint64(_GOLDEN & _MASK64) + positions.astype(np.uint64) + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1 & _MASK64)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2 & _MASK64)
+        z = z ^ (z >> np.uint64(31))
+    return np.asarray((z >> np.uint64(11)).astype(np.float64) * 2.0**-53)
+
+
+def _keyed_uniforms_torch(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     z = seeds * _GOLDEN + positions + 1
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
