@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -157,7 +157,9 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False
     ) -> DDTreeCPUAttentionMetadata:
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        metadata = DDTreeCPUAttentionMetadata(**{f.name: getattr(base, f.name) for f in fields(base)})
+        metadata = object.__new__(DDTreeCPUAttentionMetadata)  # CPU_ATTN's fields as built (no per-field copy)
+        metadata.__dict__.update(vars(base))
+        metadata.tree, metadata.run_kernel, metadata.reschedule = None, True, None
         if not self.is_encoder_only_attention and not self.is_cross_attention:
             metadata.reschedule = functools.partial(
                 ops.cpu_attn_get_scheduler_metadata,
