@@ -29,10 +29,13 @@ hardware speculation loses, and a climb down to them would take several probes o
 before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times, and with probability
 `explore` (seeded) re-time a neighbour or a reference (so one unlucky early timing cannot keep them
-out). Seconds are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed
+out; a probe is kept with probability 1 / its step's cost in steps of the best shape, so re-timing a
+far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed
 does not move it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
-rival's rate beats it by more than `margin` (3%), so timing noise between near-equal shapes does not
-make the choice flip back and forth; the climb still follows the measured leader's unmeasured
+rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
+costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
+costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
+the batch's tail) needs stronger evidence; the climb still follows the measured leader's unmeasured
 neighbours, so a slope of small gains is walked to its end. The best shape is held for `hold` steps; a shape tried for
 timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
 requests finish, must not spend their steps probing).
@@ -324,13 +327,32 @@ class AdaptiveBudget:
             if 0 <= i < len(self.shapes) and i not in rates:
                 return self.shapes[i], self.probe_hold
         best = self._best.get(bucket)
-        if best is None or best not in rates or rates[leader] > rates[best] * (1 + self.margin):
-            best = leader  # hysteresis: the held best yields only to a rival `margin` faster
+        if best is None or best not in rates:  # nothing held yet: off holds, if timed (a reference, the cheapest)
+            best = next((i for i in references if self.shapes[i].is_off and i in rates), leader)
+        if rates[leader] > rates[best] * (1 + self.margin * self._cost(bucket, leader, best)):
+            best = leader  # hysteresis: the held best yields only to a rival enough faster
         self._best[bucket] = best
         retimed = [i for i in dict.fromkeys((best - 1, best + 1, *references)) if 0 <= i < len(self.shapes) and i != best]
         if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
-            return self.shapes[retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]], self.probe_hold
+            probe = retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]
+            if float(torch.rand(1, generator=self._rng)) * self._cost(bucket, probe, best) < 1:
+                return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
+
+    def _cost(self, bucket: int, shape: int, best: int) -> float:
+        """How many of `best`'s steps one step of `shape` costs in this bucket (at least 1; 1 when either
+        is untimed). A rival must beat the held best by `margin` times this, and a probe of it is kept
+        with probability 1 / this: where a wrong choice or a probe costs several steps (a tree at a large
+        batch), the evidence must be stronger and re-timing rarer (exploration's overhead stays about
+        `explore` x probe_hold / hold steps whatever the shapes cost). Off costs 1: no step is cheaper
+        (one row per request, no draft pass), so a slow timing of it is the machine's, and must not
+        make its re-timing rarer."""
+        if self.shapes[shape].is_off:
+            return 1.0
+        mine, theirs = self.seconds.get((bucket, self.shapes[shape])), self.seconds.get((bucket, self.shapes[best]))
+        if mine is None or theirs is None or theirs.mean <= 0:
+            return 1.0
+        return max(1.0, mine.mean / theirs.mean)
 
     def _rates(self, bucket: int) -> dict[int, float]:
         """Measured rates of this bucket by index in `shapes`."""
