@@ -147,3 +147,17 @@ def test_host_builder_equals_the_device_builder(table, budget):
     for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
         assert torch.equal(getattr(host, name), getattr(device, name)), name
     assert host.max_depth == device.max_depth
+
+
+@given(draft_tables(), st.integers(1, 40))
+def test_heap_numpy_and_torch_builders_build_the_same_trees(table, budget):
+    """The three implementations behind `build_draft_trees` (small host batches, host batches, device
+    tensors), run on the same tables: identical trees, field by field."""
+    from vllm_ddtree.core.tree import _build_batched, _build_by_heap, _build_on_host
+
+    roots, logprobs, token_ids = table
+    topk = min(logprobs.shape[2], budget)
+    root = roots.view(-1, 1).long()
+    built = [build(root, logprobs, token_ids, budget, topk) for build in (_build_by_heap, _build_on_host, _build_batched)]
+    for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
+        assert all(torch.equal(getattr(built[0], name), getattr(other, name)) for other in built[1:]), name
