@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tests.core.oracles import walk_oracle
 from tests.core.strategies import draft_tables
-from vllm_ddtree.core import accept_tree, build_draft_trees, compact_rows_, kv_compaction_plan, max_path_length
+from vllm_ddtree.core import accept_tree, build_draft_trees, compact_rows_, kv_compaction_plan, max_path_length, tree_attention_mask
 
 
 def target_tokens_that_often_agree(tree, seed: int, vocab: int = 16) -> torch.Tensor:
@@ -39,6 +39,21 @@ def test_walk_equals_sequential_child_map_walk(table, budget, seed):
         assert int(acc.num_accepted[r]) == n and int(acc.bonus_token_ids[r]) == bonus
         drafted = [int(tree.token_ids[r, i]) for i in path[1:]]
         assert acc.output_token_ids[r].tolist() == drafted + [bonus] + [-1] * (path_len - n)
+
+
+@given(draft_tables(), st.integers(1, 40), st.integers(0, 2**31 - 1))
+def test_host_and_torch_walks_give_the_same_acceptance(table, budget, seed):
+    """Host tensors walk in numpy, device tensors in torch: same tensors, dtypes included."""
+    from vllm_ddtree.core.accept import _accept_batched, _accept_on_host
+
+    roots, logprobs, token_ids = table
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    target = target_tokens_that_often_agree(tree, seed)
+    mask = tree_attention_mask(tree)
+    host, batched = _accept_on_host(tree, target, mask), _accept_batched(tree, target, mask)
+    for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
+        a, b = getattr(host, name), getattr(batched, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 @given(draft_tables(), st.integers(0, 40), st.integers(0, 2**31 - 1))

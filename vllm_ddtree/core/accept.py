@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from vllm_ddtree.core.tree import DraftTree, tree_attention_mask
@@ -59,6 +60,14 @@ def accept_tree(
         return TreeAcceptance(torch.zeros_like(tree.parents), torch.ones_like(bonus), bonus.unsqueeze(1).clone(), bonus)
     if ancestor_mask is None:
         ancestor_mask = tree_attention_mask(tree)
+    if tree.token_ids.device.type == "cpu" and target_token_ids.device.type == "cpu":
+        return _accept_on_host(tree, target_token_ids, ancestor_mask)
+    return _accept_batched(tree, target_token_ids, ancestor_mask)
+
+
+def _accept_batched(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_mask: torch.Tensor) -> TreeAcceptance:
+    """The walk in torch ops (device tensors: no host sync)."""
+    num_req, num_nodes = tree.token_ids.shape
     path_len = max_path_length(tree)
     target_at_parent = target_token_ids.gather(1, tree.parents.clamp(min=0))
     matches = tree.valid & ((tree.token_ids == target_at_parent) | (tree.parents < 0))
@@ -78,3 +87,28 @@ def accept_tree(
     output[:, :-1] = torch.where(drafted >= 0, tree.token_ids.gather(1, drafted.clamp(min=0)), -1)
     output.scatter_(1, (num_accepted - 1).unsqueeze(1), bonus.unsqueeze(1))
     return TreeAcceptance(accepted_nodes, num_accepted, output, bonus)
+
+
+def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_mask: torch.Tensor) -> TreeAcceptance:
+    """`_accept_batched` step for step in numpy, for host tensors (numpy's per-op cost is a fraction of
+    torch's on arrays this small); the same acceptance, dtypes included."""
+    tokens, parents, depths, valid = (t.numpy() for t in (tree.token_ids, tree.parents, tree.depths, tree.valid))
+    target = target_token_ids.numpy()
+    num_req, num_nodes = tokens.shape
+    path_len = max_path_length(tree)
+    rows = np.arange(num_req)
+    matches = valid & ((tokens == np.take_along_axis(target, np.maximum(parents, 0), 1)) | (parents < 0))
+    accepted = valid & ~(ancestor_mask.numpy() & ~matches[:, None, :]).any(2)
+    slots = np.full((num_req, path_len + 1), -1, dtype=np.int64)
+    # One accepted node per depth; rejected nodes land in the spare last column.
+    slots[rows[:, None], np.where(accepted, depths, path_len)] = np.arange(num_nodes)
+    accepted_nodes = slots[:, :path_len]
+    num_accepted = accepted.sum(1)
+    bonus = target[rows, accepted_nodes[rows, num_accepted - 1]]
+    drafted = accepted_nodes[:, 1:]
+    output = np.full(accepted_nodes.shape, -1, dtype=tokens.dtype)
+    output[:, :-1] = np.where(drafted >= 0, np.take_along_axis(tokens, np.maximum(drafted, 0), 1), -1)
+    output[rows, num_accepted - 1] = bonus
+    return TreeAcceptance(
+        torch.from_numpy(accepted_nodes), torch.from_numpy(num_accepted.astype(np.int64)), torch.from_numpy(output), torch.from_numpy(bonus)
+    )
