@@ -47,6 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from vllm_ddtree.core.tree import DraftTree
@@ -162,10 +163,15 @@ def chain_accepted(tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: i
     stops where the path leaves it (the target's token is not the rank-0 one) or stops below a rank-0
     child (the target rejected it). Exact, except where the tree holds no rank-0 child below the run's
     last node because it ends there (shallower than `chain_depth`, or cut): then a lower bound.
+    Host tensors (computed in numpy).
     """
+    return torch.from_numpy(_chain_accepted(tree.ranks.numpy(), accepted_nodes.numpy(), chain_depth))
+
+
+def _chain_accepted(ranks: np.ndarray, accepted_nodes: np.ndarray, chain_depth: int) -> np.ndarray:
     path = accepted_nodes[:, 1:]
-    on_rank0 = (path >= 0) & (tree.ranks.gather(1, path.clamp(min=0)) == 0)
-    return on_rank0.long().cumprod(1).sum(1).clamp(max=chain_depth)
+    on_rank0 = (path >= 0) & (np.take_along_axis(ranks, np.maximum(path, 0), 1) == 0)
+    return np.minimum(on_rank0.cumprod(1).sum(1), chain_depth)
 
 
 def accepted_by_shape(
@@ -178,22 +184,24 @@ def accepted_by_shape(
     bigger than the smallest of their trees are left out (the scheduler may have cut trees), and so is
     everything but `used` when no request verified drafts. One host sync for all shapes.
 
-    tree [R, N] and accepted_nodes [R, D] (root first, -1 padded) are the step's trees and walk.
+    tree [R, N] and accepted_nodes [R, D] (root first, -1 padded) are the step's trees and walk, host
+    tensors (computed in numpy: a handful of tiny arrays per step).
     """
-    if not bool(verified.any()):
+    verified = verified.numpy()
+    if not verified.any():
         return {used: 0}
-    smallest = int(tree.num_nodes[verified].min()) - 1
+    smallest = int(tree.num_nodes.numpy()[verified].min()) - 1
     nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
     chain = next((shape for shape in shapes if shape.is_chain), None)
     with_chain = chain is not None and chain not in nested and used.topk is None and chain.budget <= smallest
-    path = accepted_nodes[verified, 1:].unsqueeze(-1)
-    budgets = torch.tensor([shape.budget for shape in nested], device=path.device)
-    counts = ((path > 0) & (path <= budgets)).sum((0, 1))
+    nodes = accepted_nodes.numpy()
+    path = nodes[verified, 1:, None]
+    budgets = np.array([shape.budget for shape in nested])
+    counts = ((path > 0) & (path <= budgets)).sum((0, 1)).tolist()
     if with_chain:
-        chain_tokens = chain_accepted(tree, accepted_nodes, chain.budget)[verified].sum().view(1)
-        counts = torch.cat([counts, chain_tokens])
+        counts.append(int(_chain_accepted(tree.ranks.numpy(), nodes, chain.budget)[verified].sum()))
         nested.append(chain)
-    return dict(zip(nested, counts.tolist()))
+    return dict(zip(nested, counts))
 
 
 def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, int]) -> dict[TreeShape, int]:
