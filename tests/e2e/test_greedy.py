@@ -80,10 +80,12 @@ def test_trained_pair_tree_beats_its_chain(engine_runs):
 
 @pytest.mark.parametrize("pair", ["focused", "trained"])
 def test_adaptive_budget_is_lossless_and_cuts_trees(engine_runs, pair):
-    """ddtree_adaptive: each step verifies a prefix of every tree (sometimes none of it); output unchanged."""
+    """ddtree_adaptive: each step verifies a prefix of every tree (sometimes none of it); output unchanged.
+    What the policy picks after its cold start depends on the machine's timing, so only what does not is
+    asserted: a fresh engine's policy starts with trees of 8 nodes (cut from the cap 32), so some steps
+    verify drafts and some verify fewer than 32."""
     plain = engine_runs(pair, None)
     run = engine_runs(pair, ("ddtree", 32, {"ddtree_adaptive": True}))
     assert run.token_ids == plain.token_ids
     verified = [n - 1 for step in run.steps for n in step.tree.num_nodes.tolist()]
     assert min(verified) < 32 and max(verified) > 0
-    assert run.tokens_per_step > 1.2
