@@ -80,3 +80,27 @@ def test_tp2_sampled_ranks_reach_the_same_paths(tp_engine):
     token_ids, (rank0, rank1) = _generate_on_both_ranks(tp_engine, prompts(), params)
     assert all(len(t) == 24 for t in token_ids)
     assert rank0 == rank1 and len(rank0) > 0
+
+
+def _script_off_off_tree(worker: Any) -> None:
+    """Every rank: two steps without speculation (the runner's off path: context deferred, no draft
+    call), then a tree of 16, cycled."""
+    from tests.e2e.scripted_budget import ScriptedBudget
+    from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
+
+    runner = worker.model_runner
+    runner.use_budget_policy(ScriptedBudget(candidate_shapes(16, runner.drafter.max_depth), [OFF, OFF, TreeShape(16)]))
+
+
+def test_tp2_off_steps_keep_greedy_equal_to_plain_and_ranks_agree(tp_engine, engine_runs):
+    """Steps without speculation under TP=2, forced (the policy's choice is broadcast from rank 0 before
+    the runner decides to skip vLLM's drafting path): outputs equal plain decoding, ranks agree, and the
+    trees after off steps still accept deep paths (the deferred context was stored on both ranks)."""
+    from vllm import SamplingParams
+
+    tp_engine.collective_rpc(_script_off_off_tree)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    token_ids, (rank0, rank1) = _generate_on_both_ranks(tp_engine, prompts(), params)
+    assert token_ids == engine_runs("focused", None).token_ids
+    assert rank0 == rank1
+    assert any(max(len([n for n in path if n >= 0]) for path in accepted) > 2 for _, _, _, accepted in rank0)
