@@ -93,7 +93,7 @@ def _check_context_layouts(runner) -> list[bool]:
             n = positions.shape[0]
             drafter.set_inputs_first_pass(
                 target_token_ids=runner.input_ids.gpu[:n], next_token_ids=sampled_token_ids[:, 0],
-                target_positions=runner._get_positions(n), target_hidden_states=states,
+                target_positions=runner.positions[:n], target_hidden_states=states,
                 token_indices_to_sample=None, cad=common_attn_metadata, num_rejected_tokens_gpu=None,
             )
             results.append(bool(torch.equal(positions, drafter._context_positions_buffer[:n])

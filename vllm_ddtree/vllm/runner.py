@@ -379,7 +379,7 @@ class DDTreeRunnerMixin:
             count = scheduler_output.total_num_scheduled_tokens
             states = (torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
                       if self.use_aux_hidden_state_outputs else hidden_states[:count])
-            self.drafter.defer_context(states, self._get_positions(count), common_attn_metadata.slot_mapping[:count])
+            self.drafter.defer_context(states, self.positions[:count], common_attn_metadata.slot_mapping[:count])
             self.drafter.last_trees = None
             self._drafted = True
             return [[] for _ in range(self.input_batch.num_reqs)]
