@@ -210,6 +210,14 @@ def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     )
 
 
+def _fixed_point_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
+    """`fixed_point_logprobs` in numpy, for host tensors."""
+    logprobs = top_logprobs.to(torch.float64).numpy()
+    fixed = np.round(np.maximum(logprobs, MIN_LOGPROB) * (1 << SCORE_BITS)).astype(np.int64)
+    fixed[logprobs == -np.inf] = NEG_INF
+    return fixed
+
+
 def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
     """`_build_batched` step for step in numpy, for host tensors: the same keys and selections (a
     descending argsort for each top-k; keys of built nodes are unique, so both pick the same nodes), at
@@ -218,10 +226,7 @@ def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     parent_pos, token_rank = (t.numpy() for t in _candidate_pairs(budget, topk, "cpu"))
     num_pairs = parent_pos.size
     tie_breaker, tie, parent_base, depth_flat, final_index = (t.numpy() for t in _layout(budget, topk, max_depth, "cpu"))
-    logprobs = top_logprobs[:, :, :topk].to(torch.float64).numpy()
-    fixed = np.round(np.maximum(logprobs, MIN_LOGPROB) * (1 << SCORE_BITS)).astype(np.int64)
-    fixed[logprobs == -np.inf] = NEG_INF
-    pair_keys = fixed[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
+    pair_keys = _fixed_point_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
     floor_key = NEG_INF * num_pairs
     rows = np.arange(num_req)[:, None]
 
@@ -272,15 +277,15 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     descending, then shallower, then (same depth) the child of the parent popped first, then the
     lower rank; candidates through a -inf log-prob are never pushed (log-probs are sorted, so neither
     are their younger siblings)."""
-    num_req, max_depth, _ = top_logprobs.shape
-    logprobs = top_logprobs[:, :, :topk].to(torch.float64).numpy()
-    fixed = np.round(np.maximum(logprobs, MIN_LOGPROB) * (1 << SCORE_BITS)).astype(np.int64)
-    fixed[logprobs == -np.inf] = NEG_INF
+    max_depth = top_logprobs.shape[1]
     width = budget + 1
     roots = root.view(-1).tolist()
     token_ids = [[root_token] * width for root_token in roots]
-    parents, depths, ranks = ([[-1 if attr == 0 else 0] * width for _ in roots] for attr in range(3))
+    parents = [[-1] * width for _ in roots]
+    depths = [[0] * width for _ in roots]
+    ranks = [[0] * width for _ in roots]
     num_nodes = []
+    fixed = _fixed_point_on_host(top_logprobs[:, :, :topk])
     for r, (scores, tokens) in enumerate(zip(fixed.tolist(), top_token_ids[:, :, :topk].tolist())):
         heap = [(-scores[0][0], 1, 0, 0, 0)] if scores[0][0] != NEG_INF else []  # (-score, depth, parent, rank, parent score)
         built = 1
