@@ -40,10 +40,10 @@ def tree_sampling_params(
     if top_k is not None and top_k_one_is_greedy:
         temperature = torch.where(top_k == 1, 0.0, temperature)
     # vLLM's host flag: no request is greedy (and none was made greedy above): no device sync to learn it.
-    known_no_greedy = True if sampling_metadata.all_random and (top_k is None or not top_k_one_is_greedy) else None
+    no_greedy = sampling_metadata.all_random and (top_k is None or not top_k_one_is_greedy)
     return TreeSamplingParams(
-        all_greedy=False if known_no_greedy else None,
-        any_greedy=False if known_no_greedy else None,
+        all_greedy=False if no_greedy else None,
+        any_greedy=False if no_greedy else None,
         temperature=temperature,
         top_k=top_k,
         top_p=_rows(sampling_metadata.top_p, num_reqs),
