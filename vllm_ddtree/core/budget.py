@@ -30,8 +30,9 @@ before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times, and with probability
 `explore` (seeded) re-time a neighbour or a reference (so one unlucky early timing cannot keep them
 out; a probe is kept with probability 1 / its step's cost in steps of the best shape, so re-timing a
-far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed
-does not move it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
+far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
+are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed does not move
+it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
 rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
