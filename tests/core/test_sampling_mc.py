@@ -224,3 +224,40 @@ def test_rows_without_mass_take_their_first_maximal_logit_never_a_token_past_the
         assert tokens[0].tolist() == [0, 0, 0, 0]
         assert tokens[1, :3].tolist() == [5, 9, 40]
         assert 0 <= int(tokens[1, 3]) < vocab and bool(torch.isfinite(logits[1, 3, tokens[1, 3]]))
+
+
+@given(
+    st.integers(1, 4),
+    st.sampled_from([1, 63, 64, 65, 130, 300]),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_inverse_cdf_on_host_and_in_torch_follow_the_rule_exactly(rows, vocab, seed, u):
+    """Both paths (numpy for host tensors, torch otherwise) return the token i with
+    cdf(i-1) <= u * total < cdf(i), never a zero-mass token. Masses are small multiples of 2**-10 with
+    zeros (exact float32 and float64 sums in any order, so the rule is checked exactly, at interval
+    bounds and beyond the last token with mass too)."""
+    from vllm_ddtree.core.sampling import _inverse_cdf_torch, inverse_cdf
+
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.randint(0, 4, (rows, vocab), generator=gen).float() * 2.0**-10
+    probs[:, torch.randint(0, vocab, (1,), generator=gen)] += 2.0**-10  # every row has mass
+    uniforms = torch.full((rows,), u, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    target = (uniforms * cdf[:, -1]).unsqueeze(1)
+    expected = torch.minimum((cdf <= target).sum(-1), (cdf < cdf[:, -1:]).sum(-1))
+    assert torch.equal(inverse_cdf(probs, uniforms), expected)
+    assert torch.equal(_inverse_cdf_torch(probs, uniforms), expected)
+    assert bool((probs.gather(1, expected.unsqueeze(1)) > 0).all())
+
+
+def test_inverse_cdf_rows_without_mass_give_minus_one_on_both_paths():
+    from vllm_ddtree.core.sampling import _inverse_cdf_torch, inverse_cdf
+
+    probs = torch.rand(3, 130)
+    probs[0] = float("nan")
+    probs[2] = 0.0
+    uniforms = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
+    for path in (inverse_cdf, _inverse_cdf_torch):
+        tokens = path(probs, uniforms)
+        assert tokens[0] == -1 and tokens[2] == -1 and 0 <= tokens[1] < 130

@@ -48,6 +48,7 @@ def script_runs(pair_dirs):
 
     runner.drafter._sample_draft_tokens = counting_sample_draft
     context_layouts = _check_context_layouts(runner)
+    metadata_checks = _check_no_draft_spec_metadata(runner)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = {}
     deferral = pytest.MonkeyPatch()
@@ -67,11 +68,37 @@ def script_runs(pair_dirs):
                 "draft_passes": len(draft_heads),
                 "context_layouts_equal": list(context_layouts),
                 "rows_unstored_at_draft_passes": sum(draft_heads),
+                "no_draft_metadata_equal": list(metadata_checks),
             }
+            metadata_checks.clear()
     finally:
         deferral.undo()
         llm.llm_engine.engine_core.shutdown()
     return runs
+
+
+def _check_no_draft_spec_metadata(runner) -> list[bool]:
+    """Per step without drafts: whether the runner's directly built spec-decode metadata equals vLLM's
+    general computation for the same inputs (values and dtypes of every field)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    results = []
+    ours = runner._calc_spec_decode_metadata
+
+    def checking(num_draft_tokens, cu_num_scheduled_tokens):
+        got = ours(num_draft_tokens, cu_num_scheduled_tokens)
+        if not num_draft_tokens.any():
+            want = GPUModelRunner._calc_spec_decode_metadata(runner, num_draft_tokens, cu_num_scheduled_tokens)
+            same = got.num_draft_tokens == want.num_draft_tokens and got.max_spec_len == want.max_spec_len
+            for name in ("draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens", "target_logits_indices",
+                         "bonus_logits_indices", "logits_indices"):
+                a, b = getattr(got, name), getattr(want, name)
+                same = same and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            results.append(same)
+        return got
+
+    runner._calc_spec_decode_metadata = checking
+    return results
 
 
 def _check_context_layouts(runner) -> list[bool]:
@@ -114,6 +141,12 @@ def test_deferred_context_is_stored_before_every_draft_pass(script_runs):
     for name in ("off, tree", "3 off, tree"):
         assert script_runs[name]["draft_passes"] > 0
         assert script_runs[name]["rows_unstored_at_draft_passes"] == 0, name
+
+
+def test_off_steps_spec_decode_metadata_equals_vllms(script_runs):
+    """Steps without drafts (prefills, off steps) build vLLM's spec-decode metadata directly."""
+    checks = [ok for run in script_runs.values() for ok in run["no_draft_metadata_equal"]]
+    assert len(checks) > 20 and all(checks)
 
 
 def test_off_steps_do_not_run_the_draft_block_pass(script_runs):

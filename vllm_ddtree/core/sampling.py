@@ -125,11 +125,17 @@ def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torc
     if positions is None:
         raise ValueError("seeded requests need the positions of the tokens their nodes draw")
     rows = sorted(seeds)
-    keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device).unsqueeze(1)
-    if len(rows) == shape[0]:  # every request seeded (rows are 0 .. R-1)
-        return keyed_uniforms(keys, positions.long()).to(device)
+    every = len(rows) == shape[0]  # every request seeded (rows are 0 .. R-1)
+    if positions.device.type == "cpu":
+        keys = np.array([seeds[r] & _MASK64 for r in rows], dtype=np.uint64)[:, None]
+        keyed = torch.from_numpy(_keyed_uniforms_numpy(keys, positions.numpy() if every else positions.numpy()[rows]))
+    else:
+        keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device)
+        keyed = _keyed_uniforms_torch(keys.unsqueeze(1), (positions if every else positions[rows]).long())
+    if every:
+        return keyed.to(device)
     uniforms = torch.rand(shape, dtype=torch.float64, device=device)
-    uniforms[rows] = keyed_uniforms(keys, positions[rows].long()).to(device)
+    uniforms[rows] = keyed.to(device)
     return uniforms
 
 
@@ -160,7 +166,18 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     error below 64 * 2**-24 ~ 4e-6 per block, far under what any sample size can detect; a float64 copy
     of the probs would cost 40x more), their cumulative sums and the chosen block's prefix sums are
     float64; a token of zero mass is never returned. A row without positive mass (NaN: the softmax of
-    logits that are all -inf, or hold +inf or NaN) gives -1."""
+    logits that are all -inf, or hold +inf or NaN) gives -1.
+
+    Host tensors go through numpy (a few vector ops instead of ~25 tensor ops: the per-step cost of
+    small batches), device tensors through torch: the same rule, each path used for every draw on its
+    device (rounding may differ between them only where u falls within a rounding error of a token's
+    interval bound)."""
+    if probs.device.type == "cpu" and uniforms.device.type == "cpu":
+        return torch.from_numpy(_inverse_cdf_numpy(probs.numpy(), uniforms.numpy()))
+    return _inverse_cdf_torch(probs, uniforms)
+
+
+def _inverse_cdf_torch(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     rows, vocab = probs.shape
     whole = vocab - vocab % _BLOCK
     block_mass = probs[:, :whole].reshape(rows, -1, _BLOCK).sum(-1).double()
@@ -176,6 +193,29 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     offset = torch.searchsorted(inside, (targets - before).unsqueeze(1), right=True).squeeze(1)
     last_with_mass = (inside < inside[:, -1:]).sum(-1)  # rounding between the two levels never overshoots it
     return torch.where(total > 0, block * _BLOCK + torch.minimum(offset, last_with_mass), -1)
+
+
+def _inverse_cdf_numpy(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """`_inverse_cdf_torch` in numpy, step for step (searchsorted(right=True) on a sorted row is the count
+    of its entries <= the target)."""
+    rows, vocab = probs.shape
+    whole = vocab - vocab % _BLOCK
+    block_mass = probs[:, :whole].reshape(rows, -1, _BLOCK).sum(-1).astype(np.float64)
+    if whole < vocab:
+        block_mass = np.concatenate([block_mass, probs[:, whole:].sum(-1, keepdims=True).astype(np.float64)], 1)
+    block_cdf = np.cumsum(block_mass, axis=1)
+    total = block_cdf[:, -1]
+    with np.errstate(invalid="ignore"):  # NaN rows (no mass) compare False everywhere and give -1 below
+        targets = np.minimum(uniforms * total, np.nextafter(total, 0.0))
+        block = (block_cdf <= targets[:, None]).sum(1)
+        row = np.arange(rows)
+        before = np.where(block > 0, block_cdf[row, np.maximum(block - 1, 0)], 0.0)
+        tokens = block[:, None] * _BLOCK + np.arange(_BLOCK)
+        inside = np.where(tokens < vocab, probs[row[:, None], np.minimum(tokens, vocab - 1)].astype(np.float64), 0.0)
+        inside = np.cumsum(inside, axis=1)
+        offset = (inside <= (targets - before)[:, None]).sum(1)
+        last_with_mass = (inside < inside[:, -1:]).sum(1)
+        return np.where(total > 0, block * _BLOCK + np.minimum(offset, last_with_mass), -1).astype(np.int64)
 
 
 _MASK64 = (1 << 64) - 1

@@ -29,6 +29,7 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import DraftTokenIds, LogprobsTensors, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 
 from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
@@ -209,14 +210,35 @@ class DDTreeRunnerMixin:
         self.positions[rows.to(device, non_blocking=True)] = positions.to(device, self.positions.dtype, non_blocking=True)
 
     @override
+    def _calc_spec_decode_metadata(self, num_draft_tokens: np.ndarray, cu_num_scheduled_tokens: np.ndarray) -> SpecDecodeMetadata:
+        """vLLM's metadata. A step without drafts (no speculation this step, prefills) samples each
+        request's last scheduled row and nothing else: built directly, the same values and dtypes as
+        vLLM's general computation (`test_off_steps_spec_decode_metadata_equals_vllms`) without its
+        gathers and host-to-device copies of index arrays."""
+        if num_draft_tokens.any():
+            return super()._calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens)
+        device = self.device
+        requests = torch.arange(len(num_draft_tokens), dtype=torch.int32)
+        return SpecDecodeMetadata(
+            draft_token_ids=self.input_ids.gpu[:0],
+            num_draft_tokens=num_draft_tokens.tolist(),
+            cu_num_draft_tokens=torch.zeros_like(requests, device=device),
+            cu_num_sampled_tokens=(requests + 1).to(device, non_blocking=True),
+            target_logits_indices=torch.zeros(0, dtype=torch.int32, device=device),
+            bonus_logits_indices=requests.to(device, non_blocking=True),
+            logits_indices=torch.from_numpy(cu_num_scheduled_tokens - 1).to(device, non_blocking=True),
+        )
+
+    @override
     def _build_attention_metadata(self, *args: Any, **kwargs: Any) -> Any:
         attn_metadata, spec_metadata = super()._build_attention_metadata(*args, **kwargs)
-        rows = self.step.attention_rows() if self.step is not None else None
+        step = self.step
+        rows = step.attention_rows() if step is not None and step.has_drafts else None  # roots alone: no tree
         if rows is not None:
             with self.stage_times.stage(TREE_BUILD):
                 self._attach_tree_attention(attn_metadata, rows)
-        if self.gdn_groups and self.step is not None:
-            attach_gdn_trees(attn_metadata, self.step.tree, self.input_batch.num_reqs)
+        if self.gdn_groups and step is not None:
+            attach_gdn_trees(attn_metadata, step.tree, self.input_batch.num_reqs)
         return attn_metadata, spec_metadata
 
     @override
@@ -325,8 +347,11 @@ class DDTreeRunnerMixin:
         assert self.clock is not None and step.acceptance is not None
         num_reqs = step.tree.num_requests
         discarded = int(self.discard_request_mask.np[:num_reqs].sum())
-        committed = int((output >= 0).sum()) - discarded
         used = self.drafter.last_shape
+        if not step.has_drafts:  # roots alone: one token per request, no draft to accept
+            self.clock.step_sampled(num_reqs - discarded, {used: 0})
+            return
+        committed = int((output >= 0).sum()) - discarded
         accepted = accepted_by_shape(self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted)
         self.clock.step_sampled(committed, accepted)
 
