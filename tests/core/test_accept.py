@@ -41,19 +41,21 @@ def test_walk_equals_sequential_child_map_walk(table, budget, seed):
         assert acc.output_token_ids[r].tolist() == drafted + [bonus] + [-1] * (path_len - n)
 
 
-@given(draft_tables(), st.integers(1, 40), st.integers(0, 2**31 - 1))
+@given(st.one_of(draft_tables(), draft_tables(max_depth=16, max_topk=2)), st.integers(1, 40), st.integers(0, 2**31 - 1))
 def test_host_and_torch_walks_give_the_same_acceptance(table, budget, seed):
-    """Host tensors walk in numpy, device tensors in torch: same tensors, dtypes included."""
+    """Host tensors walk in numpy (with the ancestor mask, or by pointer doubling without it), device
+    tensors in torch: same tensors, dtypes included; deep chains and trees too."""
     from vllm_ddtree.core.accept import _accept_batched, _accept_on_host
 
     roots, logprobs, token_ids = table
     tree = build_draft_trees(roots, logprobs, token_ids, budget)
     target = target_tokens_that_often_agree(tree, seed)
     mask = tree_attention_mask(tree)
-    host, batched = _accept_on_host(tree, target, mask), _accept_batched(tree, target, mask)
-    for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
-        a, b = getattr(host, name), getattr(batched, name)
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    batched = _accept_batched(tree, target, mask)
+    for host in (_accept_on_host(tree, target, mask), _accept_on_host(tree, target, None)):  # mask or pointer doubling
+        for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
+            a, b = getattr(host, name), getattr(batched, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 @given(draft_tables(), st.integers(0, 40), st.integers(0, 2**31 - 1))

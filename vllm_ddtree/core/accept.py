@@ -58,10 +58,10 @@ def accept_tree(
     if num_nodes == 1:  # roots alone (no drafts anywhere in the batch): the target's token is the bonus
         bonus = target_token_ids[:, 0]
         return TreeAcceptance(torch.zeros_like(tree.parents), torch.ones_like(bonus), bonus.unsqueeze(1).clone(), bonus)
-    if ancestor_mask is None:
-        ancestor_mask = tree_attention_mask(tree)
     if tree.token_ids.device.type == "cpu" and target_token_ids.device.type == "cpu":
         return _accept_on_host(tree, target_token_ids, ancestor_mask)
+    if ancestor_mask is None:
+        ancestor_mask = tree_attention_mask(tree)
     return _accept_batched(tree, target_token_ids, ancestor_mask)
 
 
@@ -89,16 +89,25 @@ def _accept_batched(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_ma
     return TreeAcceptance(accepted_nodes, num_accepted, output, bonus)
 
 
-def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_mask: torch.Tensor) -> TreeAcceptance:
+def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_mask: torch.Tensor | None) -> TreeAcceptance:
     """`_accept_batched` step for step in numpy, for host tensors (numpy's per-op cost is a fraction of
-    torch's on arrays this small); the same acceptance, dtypes included."""
+    torch's on arrays this small); the same acceptance, dtypes included. Without the ancestor mask a
+    node's acceptance (it and all its ancestors match) is found by pointer doubling: after k rounds
+    `accepted` covers each node's 2^k nearest path nodes, and `up` points 2^k parent steps up (the root
+    points to itself), so ceil(log2(max_depth)) rounds cover every path (the root always matches)."""
     tokens, parents, depths, valid = (t.numpy() for t in (tree.token_ids, tree.parents, tree.depths, tree.valid))
     target = target_token_ids.numpy()
     num_req, num_nodes = tokens.shape
     path_len = max_path_length(tree)
     rows = np.arange(num_req)
     matches = valid & ((tokens == np.take_along_axis(target, np.maximum(parents, 0), 1)) | (parents < 0))
-    accepted = valid & ~(ancestor_mask.numpy() & ~matches[:, None, :]).any(2)
+    if ancestor_mask is not None:
+        accepted = valid & ~(ancestor_mask.numpy() & ~matches[:, None, :]).any(2)
+    else:
+        accepted, up, span = matches, np.where(parents < 0, np.arange(num_nodes), parents), 1
+        while span < tree.max_depth:
+            accepted = accepted & np.take_along_axis(accepted, up, 1)
+            up, span = np.take_along_axis(up, up, 1), 2 * span
     slots = np.full((num_req, path_len + 1), -1, dtype=np.int64)
     # One accepted node per depth; rejected nodes land in the spare last column.
     slots[rows[:, None], np.where(accepted, depths, path_len)] = np.arange(num_nodes)

@@ -197,7 +197,8 @@ class DDTreeRunnerMixin:
             logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
         if step.has_drafts:  # roots alone keep vLLM's positions, and none of their KV moves
-            self._set_positions(*step.tree_positions())
+            if bool(step.branching().any()):  # chains keep vLLM's linear positions
+                self._set_positions(*step.tree_positions())
             slot_mapping = self._step_slot_mapping()
             step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)]
         return step
@@ -299,7 +300,9 @@ class DDTreeRunnerMixin:
     def _walk(self, step: TreeStep) -> torch.Tensor:
         """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
         assert step.target_token_ids is not None
-        step.acceptance = accept_tree(step.tree, step.target_token_ids, step.ancestor_mask)
+        # Branching trees' ancestor mask is already built (their tree attention); chains' is not needed.
+        ancestor_mask = step.ancestor_mask if bool(step.branching().any()) else None
+        step.acceptance = accept_tree(step.tree, step.target_token_ids, ancestor_mask)
         output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
         accepted_rows = step.acceptance.output_token_ids
         output[:, : accepted_rows.shape[1]] = accepted_rows
@@ -364,7 +367,10 @@ class DDTreeRunnerMixin:
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
+        # Host plans are read: a step whose accepted paths all sit in place (e.g. chains) moves nothing.
         slots = step.node_slots
+        if plan.is_move.device.type == "cpu" and slots.device.type == "cpu" and not bool(plan.is_move.any()):
+            return
         src = slots.gather(1, plan.src_offsets.to(slots.device)).flatten()
         self._move_kv_rows(src, slots.gather(1, plan.dst_offsets.to(slots.device)).flatten())
 
@@ -446,7 +452,8 @@ class DDTreeRunnerMixin:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
         positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        self._set_positions(*step.linear_positions())
+        if bool(step.branching().any()):  # chains already sit at linear positions
+            self._set_positions(*step.linear_positions())
         plan = step.plan
         if plan is None or not bool(plan.is_move.any()):  # every accepted path already sits in path order
             return aux_hidden_states

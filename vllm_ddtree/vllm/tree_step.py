@@ -140,7 +140,8 @@ class TreeStep:
     Built in `_prepare_inputs`:
       root_rows [R]: batch row of each root (its last scheduled row when it has no drafts);
       starts [R]: root position; num_drafts [R]: drafts scheduled (0: a tree of the root alone);
-      tree: DraftTree [R, N]; ancestor_mask: tree_attention_mask(tree) [R, N, N];
+      tree: DraftTree [R, N]; ancestor_mask: tree_attention_mask(tree) [R, N, N] (computed when first
+      read: the tree attention of branching trees; chains never need it);
       num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's;
       has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
     Filled by the runner:
@@ -152,7 +153,6 @@ class TreeStep:
     starts: torch.Tensor
     num_drafts: torch.Tensor
     tree: DraftTree
-    ancestor_mask: torch.Tensor
     num_chain_fallbacks: int = 0
     has_drafts: bool = True
     node_slots: torch.Tensor | None = None
@@ -246,7 +246,6 @@ class TreeStep:
             starts=torch.from_numpy(starts).long(),
             num_drafts=torch.from_numpy(num_drafts).long(),
             tree=tree,
-            ancestor_mask=tree_attention_mask(tree),
             num_chain_fallbacks=num_chain_fallbacks,
         )
 
@@ -270,9 +269,12 @@ class TreeStep:
             starts=torch.from_numpy(starts).long(),
             num_drafts=torch.zeros(num_req, dtype=torch.long),
             tree=tree,
-            ancestor_mask=torch.ones(num_req, 1, 1, dtype=torch.bool),
             has_drafts=False,
         )
+
+    @functools.cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        return tree_attention_mask(self.tree)
 
     @property
     def drafted(self) -> torch.Tensor:
