@@ -107,24 +107,15 @@ class DDTreeProposer(DFlashProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         **_: Any,
     ) -> None:
-        """A step without speculation: only what the draft needs to resume. DFlash keeps the committed
-        tokens' context as K/V computed from the target's hidden states (KV injection); store them for
-        the tokens the target just computed, exactly as the first part of a full draft pass does, and
-        skip the rest: no pass over the mask block, no draft LM head, no top-k.
-
-        Context rows and where they go: when this step verified no drafts (`num_rejected_tokens_gpu`
-        None), every target row is context, at its own position and KV slot (target and draft share
-        one KV cache group, hence one block table), so the target's positions and slot mapping serve
-        as they are, and the rows are deferred: stored together with other steps' rows in one pass
-        (`store_deferred_context`) before the next draft pass, before KV blocks can change hands, or
-        once DEFERRED_ROWS rows wait (on two CPU cores one pass over 16 steps' rows costs about what one
-        step's pass did). After a verify step, `set_inputs_first_pass` lays them out (rejected nodes
-        get no slot), as in a full draft pass, and they are stored at once."""
+        """A step without speculation after a verify step (the runner defers the context of one after a
+        step without drafts itself, `defer_context`): only what the draft needs to resume. DFlash keeps
+        the committed tokens' context as K/V computed from the target's hidden states (KV injection);
+        store them for the tokens the target just computed, exactly as the first part of a full draft
+        pass does, and skip the rest: no pass over the mask block, no draft LM head, no top-k.
+        `set_inputs_first_pass` lays the verify rows out (rejected nodes get no slot), as in a full
+        draft pass, and they are stored at once."""
         self.num_speculative_tokens = depth
         num_context = target_hidden_states.shape[0]
-        if num_rejected_tokens_gpu is None:
-            self.defer_context(target_hidden_states, target_positions[:num_context], common_attn_metadata.slot_mapping[:num_context])
-            return
         hidden_states = self.model.combine_hidden_states(target_hidden_states)
         self.set_inputs_first_pass(
             target_token_ids=target_token_ids,
@@ -142,6 +133,11 @@ class DDTreeProposer(DFlashProposer):
     def defer_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Keep context rows (the target's hidden states [n, aux layers x hidden], positions [n], KV slots
         [n]) of a step without drafts for `store_deferred_context`; stored at once when DEFERRED_ROWS wait.
+        Every row of such a step is context at its own position and KV slot (target and draft share one
+        KV cache group, hence one block table), so the target's positions and slot mapping serve as they
+        are; the rows are stored together with other steps' rows in one pass before the next draft pass,
+        before KV blocks can change hands, or once DEFERRED_ROWS rows wait (on two CPU cores one pass over
+        16 steps' rows costs about what one step's pass did).
         positions and slots are copied (views of buffers the next step rewrites); the hidden states too
         when they are a view (vLLM's concatenation of the aux layers is a fresh tensor)."""
         states = target_hidden_states.clone() if target_hidden_states._is_view() else target_hidden_states
