@@ -24,7 +24,7 @@ from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, 
 
 
 DEFERRED_ROWS = 256
-"""Deferred context rows that trigger a store pass (`DDTreeProposer._store_context_only`)."""
+"""Deferred context rows that trigger a store pass (`DDTreeProposer.defer_context`)."""
 
 
 class DDTreeProposer(DFlashProposer):
