@@ -125,17 +125,11 @@ def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torc
     if positions is None:
         raise ValueError("seeded requests need the positions of the tokens their nodes draw")
     rows = sorted(seeds)
-    every = len(rows) == shape[0]  # every request seeded (rows are 0 .. R-1)
-    if positions.device.type == "cpu":
-        keys = np.array([seeds[r] & _MASK64 for r in rows], dtype=np.uint64)[:, None]
-        keyed = torch.from_numpy(_keyed_uniforms_numpy(keys, positions.numpy() if every else positions.numpy()[rows]))
-    else:
-        keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device)
-        keyed = _keyed_uniforms_torch(keys.unsqueeze(1), (positions if every else positions[rows]).long())
-    if every:
-        return keyed.to(device)
+    keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device).unsqueeze(1)
+    if len(rows) == shape[0]:  # every request seeded (rows are 0 .. R-1)
+        return keyed_uniforms(keys, positions.long()).to(device)
     uniforms = torch.rand(shape, dtype=torch.float64, device=device)
-    uniforms[rows] = keyed.to(device)
+    uniforms[rows] = keyed_uniforms(keys, positions[rows].long()).to(device)
     return uniforms
 
 

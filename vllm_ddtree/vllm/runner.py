@@ -197,7 +197,7 @@ class DDTreeRunnerMixin:
             logger.warning("method 'ddtree': %d request(s) verified as a chain (drafts were not their proposed tree; "
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
         if step.has_drafts:  # roots alone keep vLLM's positions, and none of their KV moves
-            if bool(step.branching().any()):  # chains keep vLLM's linear positions
+            if step.has_branching:  # chains keep vLLM's linear positions
                 self._set_positions(*step.tree_positions())
             slot_mapping = self._step_slot_mapping()
             step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)]
@@ -301,7 +301,7 @@ class DDTreeRunnerMixin:
         """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
         assert step.target_token_ids is not None
         # Branching trees' ancestor mask is already built (their tree attention); chains' is not needed.
-        ancestor_mask = step.ancestor_mask if bool(step.branching().any()) else None
+        ancestor_mask = step.ancestor_mask if step.has_branching else None
         step.acceptance = accept_tree(step.tree, step.target_token_ids, ancestor_mask)
         output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
         accepted_rows = step.acceptance.output_token_ids
@@ -452,7 +452,7 @@ class DDTreeRunnerMixin:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
         positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
-        if bool(step.branching().any()):  # chains already sit at linear positions
+        if step.has_branching:  # chains already sit at linear positions
             self._set_positions(*step.linear_positions())
         plan = step.plan
         if plan is None or not bool(plan.is_move.any()):  # every accepted path already sits in path order

@@ -296,6 +296,12 @@ class TreeStep:
         return self.root_rows.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
 
     @functools.cached_property
+    def has_branching(self) -> bool:
+        """Some request's tree is not a chain: the step needs tree positions, masks and attention (a
+        batch of chains keeps vLLM's linear positions and causal attention)."""
+        return bool(self.branching().any())
+
+    @functools.cached_property
     def _branching(self) -> torch.Tensor:
         previous = torch.arange(-1, self.tree.nodes_per_request - 1).unsqueeze(0)
         return ((self.tree.parents != previous) & self.tree.valid).any(1)
@@ -313,9 +319,9 @@ class TreeStep:
 
     def attention_rows(self) -> TreeRows | None:
         """The branching trees' rows for the tree attention; None when every tree is a chain."""
-        branching = self.branching()
-        if not bool(branching.any()):
+        if not self.has_branching:
             return None
+        branching = self.branching()
         if bool(branching.all()):
             return TreeRows(
                 req_indices=torch.arange(branching.numel()),
