@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
-from vllm_ddtree.core.sampling import _keyed_uniforms_torch, keyed_uniforms
+from vllm_ddtree.core.sampling import _keyed_uniforms_torch, _uniforms, keyed_uniforms, splitmix_uniform
 
 VOCAB = 8
 DRAWS = 40_000
@@ -152,7 +152,7 @@ def splitmix_uniform_oracle(seed: int, position: int) -> float:
 @given(st.integers(0, 2**63 - 1), st.integers(0, 2**40))
 def test_keyed_uniforms_are_splitmix64_of_seed_and_position(seed, position):
     got = float(keyed_uniforms(torch.tensor(seed), torch.tensor(position)))
-    assert got == splitmix_uniform_oracle(seed, position) and 0.0 <= got < 1.0
+    assert got == splitmix_uniform_oracle(seed, position) == splitmix_uniform(seed, position) and 0.0 <= got < 1.0
 
 
 @given(st.lists(st.integers(-(2**63), 2**63 - 1), min_size=1, max_size=4), st.integers(0, 2**40), st.integers(1, 5))
@@ -161,6 +161,23 @@ def test_keyed_uniforms_on_host_and_in_torch_are_the_same_bits(seeds, first_posi
     keys = torch.tensor(seeds).unsqueeze(1)
     positions = first_position + torch.arange(len(seeds) * nodes).view(len(seeds), nodes)
     assert torch.equal(keyed_uniforms(keys, positions), _keyed_uniforms_torch(keys, positions))
+
+
+@given(
+    st.dictionaries(st.integers(0, 5), st.integers(-(2**64), 2**64 + 5), min_size=1, max_size=6),
+    st.integers(0, 2**40),
+    st.sampled_from([1, 2, 7, 40]),
+)
+def test_few_and_many_keyed_draws_are_the_same_bits(seeds, first_position, nodes):
+    """`_uniforms` draws few keyed uniforms one by one in Python, many through `keyed_uniforms`: the
+    seeded rows hold the same bits either way (any int seed, taken mod 2^64)."""
+    shape = torch.Size((6, nodes))
+    positions = first_position + torch.arange(6 * nodes).view(shape)
+    got = _uniforms(seeds, positions, shape, torch.device("cpu"))
+    for row, seed in seeds.items():
+        key = torch.tensor([[seed % 2**64 - (2**64 if seed % 2**64 >= 2**63 else 0)]])
+        assert torch.equal(got[row], keyed_uniforms(key, positions[row : row + 1])[0])
+        assert got[row].tolist() == [splitmix_uniform_oracle(seed, int(p)) for p in positions[row]]
 
 
 def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():
@@ -179,8 +196,9 @@ def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():
     st.sampled_from([torch.float32, torch.bfloat16]),
 )
 def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
-    """Ties (many equal values), -inf, NaN, vocab below / at / around multiples of the block."""
-    from vllm_ddtree.core.sampling import argmax_first
+    """Ties (many equal values), -inf, NaN, vocab below / at / around multiples of the block: the
+    two-level argmax (large host logits) and the dispatch alike."""
+    from vllm_ddtree.core.sampling import _argmax_two_level, argmax_first
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=gen)
@@ -193,6 +211,7 @@ def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
     elif kind == "all -inf":
         logits.fill_(float("-inf"))
     logits = logits.to(dtype)
+    assert torch.equal(_argmax_two_level(logits), logits.argmax(dim=-1))
     assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
 
 
@@ -261,3 +280,13 @@ def test_inverse_cdf_rows_without_mass_give_minus_one_on_both_paths():
     for path in (inverse_cdf, _inverse_cdf_torch):
         tokens = path(probs, uniforms)
         assert tokens[0] == -1 and tokens[2] == -1 and 0 <= tokens[1] < 130
+
+
+def test_argmax_first_of_large_host_logits_is_torch_argmax():
+    """Above the two-level threshold (many ties: the first maximum must win)."""
+    from vllm_ddtree.core.sampling import _TWO_LEVEL_ARGMAX_MIN_ENTRIES, argmax_first
+
+    logits = torch.randint(0, 4, (3, 50_000), generator=torch.Generator().manual_seed(5)).float()
+    logits[1, 49_999] = 9.0
+    assert logits.numel() > _TWO_LEVEL_ARGMAX_MIN_ENTRIES
+    assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))

@@ -279,7 +279,8 @@ class DDTreeRunnerMixin:
         processed = None
         if needs_node_processing(metadata):
             processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
-        target = sample_nodes(logits, rows, step.draw_positions().to(device), params, processed)
+        positions = step.draw_positions().to(device) if params.seeds else None  # only seeded draws are keyed
+        target = sample_nodes(logits, rows, positions, params, processed)
         # The step's trees and the walk live on the host: one copy back, where vLLM reads the sampled
         # tokens back anyway (a no-op on CPU).
         step.target_token_ids = get_tp_group().broadcast(target, src=0).cpu()
@@ -303,8 +304,10 @@ class DDTreeRunnerMixin:
         # Branching trees' ancestor mask is already built (their tree attention); chains' is not needed.
         ancestor_mask = step.ancestor_mask if step.has_branching else None
         step.acceptance = accept_tree(step.tree, step.target_token_ids, ancestor_mask)
-        output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
         accepted_rows = step.acceptance.output_token_ids
+        if accepted_rows.shape[1] == step.tree.nodes_per_request:  # roots alone, chains: no padding column
+            return accepted_rows.to(torch.int32)
+        output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
         output[:, : accepted_rows.shape[1]] = accepted_rows
         return output
 

@@ -299,7 +299,7 @@ class TreeStep:
     def has_branching(self) -> bool:
         """Some request's tree is not a chain: the step needs tree positions, masks and attention (a
         batch of chains keeps vLLM's linear positions and causal attention)."""
-        return bool(self.branching().any())
+        return self.has_drafts and bool(self.branching().any())
 
     @functools.cached_property
     def _branching(self) -> torch.Tensor:
@@ -343,6 +343,8 @@ class TreeStep:
     def node_logit_rows(self) -> torch.Tensor:
         """[R, N] row of each node's logits in the step's logits, which hold 1 + num_drafts rows per
         request in batch order (vLLM's spec-decode logits; one row per request without drafts)."""
+        if not self.has_drafts:  # roots alone: row r is request r's
+            return torch.arange(self.tree.num_requests).unsqueeze(1)
         first = torch.cumsum(1 + self.num_drafts, 0) - (1 + self.num_drafts)
         offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
         return first.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
