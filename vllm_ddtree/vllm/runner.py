@@ -443,13 +443,15 @@ class DDTreeRunnerMixin:
 
     @override
     def take_draft_token_ids(self) -> DraftTokenIds | None:
-        """The drafts for the scheduler; none when this step's drafter did not run. (vLLM skips the
-        drafter when the batch's longest request is too close to max_model_len for a draft block and
-        then hands the scheduler zeros, which would be verified as a chain of wasted rows.)"""
+        """The drafts for the scheduler; None when this step drafted nothing: the drafter did not run
+        (vLLM skips it when the batch's longest request is too close to max_model_len for a draft block
+        and then hands the scheduler zeros, which would be verified as a chain of wasted rows), or the
+        step ran without speculation. None leaves every request without drafts, since scheduling a
+        request clears its drafts and only this step's scheduled requests are in the batch."""
         drafts = super().take_draft_token_ids()
-        if drafts is None or self._drafted:
-            return drafts
-        return DraftTokenIds(drafts.req_ids, [[] for _ in drafts.req_ids])
+        if drafts is None or not self._drafted or not any(drafts.draft_token_ids):
+            return None
+        return drafts
 
     def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
         """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear

@@ -251,23 +251,23 @@ class TreeStep:
 
     @classmethod
     def roots_alone(cls, root_rows: np.ndarray, starts: np.ndarray, token_ids: np.ndarray) -> TreeStep:
-        """A step without drafts (prefills, steps without speculation): every tree is its root alone."""
+        """A step without drafts (prefills, steps without speculation): every tree is its root alone.
+        (Built from numpy arrays: the per-step cost of the commonest step at small batches.)"""
         num_req = len(root_rows)
-        roots = torch.from_numpy(token_ids[np.arange(num_req), starts].astype(np.int64)).unsqueeze(1)
-        zeros = torch.zeros(num_req, 1, dtype=torch.long)
+        zeros = torch.from_numpy(np.zeros((num_req, 1), dtype=np.int64))
         tree = DraftTree(
-            token_ids=roots,
-            parents=zeros - 1,
+            token_ids=torch.from_numpy(token_ids[np.arange(num_req), starts].astype(np.int64)[:, None]),
+            parents=torch.from_numpy(np.full((num_req, 1), -1, dtype=np.int64)),
             depths=zeros,
             ranks=zeros,
-            valid=torch.ones(num_req, 1, dtype=torch.bool),
-            num_nodes=torch.ones(num_req, dtype=torch.long),
+            valid=torch.from_numpy(np.ones((num_req, 1), dtype=bool)),
+            num_nodes=torch.from_numpy(np.ones(num_req, dtype=np.int64)),
             max_depth=0,
         )
         return cls(
-            root_rows=torch.from_numpy(root_rows).long(),
-            starts=torch.from_numpy(starts).long(),
-            num_drafts=torch.zeros(num_req, dtype=torch.long),
+            root_rows=torch.from_numpy(root_rows.astype(np.int64)),
+            starts=torch.from_numpy(starts.astype(np.int64)),
+            num_drafts=zeros[:, 0],
             tree=tree,
             has_drafts=False,
         )
