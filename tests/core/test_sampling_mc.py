@@ -268,6 +268,27 @@ def test_inverse_cdf_on_host_and_in_torch_follow_the_rule_exactly(rows, vocab, s
     assert torch.equal(inverse_cdf(probs, uniforms), expected)
     assert torch.equal(_inverse_cdf_torch(probs, uniforms), expected)
     assert bool((probs.gather(1, expected.unsqueeze(1)) > 0).all())
+    for row in range(rows):  # one row at a time: the host's single-draw path
+        assert torch.equal(inverse_cdf(probs[row : row + 1], uniforms[row : row + 1]), expected[row : row + 1])
+
+
+@given(st.sampled_from([1, 63, 64, 65, 130, 4097]), st.integers(0, 2**31 - 1), st.sampled_from(["softmax", "masked", "tiny"]))
+def test_single_draws_on_host_are_the_batched_draws_bit_for_bit(vocab, seed, kind):
+    """The host's single-row path sums exactly as the batched numpy path (same block and cumulative
+    sums), so a draw is the same token whether its step drew one token or many, for any u."""
+    from vllm_ddtree.core.sampling import inverse_cdf
+
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.randn(3, vocab, generator=gen).mul(4).softmax(-1)
+    if kind == "masked":
+        probs[torch.rand(3, vocab, generator=gen) < 0.7] = 0.0
+        probs[:, 0] += 1e-3
+    elif kind == "tiny":
+        probs = probs * 1e-30
+    uniforms = torch.rand(3, dtype=torch.float64, generator=gen)
+    batched = inverse_cdf(probs, uniforms)
+    for row in range(3):
+        assert torch.equal(inverse_cdf(probs[row : row + 1], uniforms[row : row + 1]), batched[row : row + 1])
 
 
 def test_inverse_cdf_rows_without_mass_give_minus_one_on_both_paths():
@@ -280,6 +301,7 @@ def test_inverse_cdf_rows_without_mass_give_minus_one_on_both_paths():
     for path in (inverse_cdf, _inverse_cdf_torch):
         tokens = path(probs, uniforms)
         assert tokens[0] == -1 and tokens[2] == -1 and 0 <= tokens[1] < 130
+    assert [int(inverse_cdf(probs[r : r + 1], uniforms[r : r + 1])) for r in range(3)] == tokens.tolist()
 
 
 def test_argmax_first_of_large_host_logits_is_torch_argmax():
@@ -290,3 +312,18 @@ def test_argmax_first_of_large_host_logits_is_torch_argmax():
     logits[1, 49_999] = 9.0
     assert logits.numel() > _TWO_LEVEL_ARGMAX_MIN_ENTRIES
     assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
+
+
+def test_a_block_mass_rounded_up_never_yields_a_token_without_mass():
+    """The float32 block sum 1 + 2^-24 * 1.5 rounds up to 1 + 2^-23, above the float64 prefix sums of its
+    tokens: a u near 1 aims past the block's last token with mass, and every path must still return it
+    (token 1), never a zero-mass token after it."""
+    from vllm_ddtree.core.sampling import _inverse_cdf_torch, inverse_cdf
+
+    probs = torch.zeros(2, 64)
+    probs[:, 0], probs[:, 1] = 1.0, 1.5 * 2.0**-24
+    assert float(probs[0].sum()) > 1.0 + 1.5 * 2.0**-24
+    uniforms = torch.full((2,), 1.0 - 2.0**-40, dtype=torch.float64)
+    for path in (inverse_cdf, _inverse_cdf_torch):
+        assert path(probs, uniforms).tolist() == [1, 1]
+    assert inverse_cdf(probs[:1], uniforms[:1]).tolist() == [1]

@@ -194,6 +194,8 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     device (rounding may differ between them only where u falls within a rounding error of a token's
     interval bound)."""
     if probs.device.type == "cpu" and uniforms.device.type == "cpu":
+        if probs.shape[0] == 1:  # one draw (batch 1 without drafts): scalar bounds, half the array ops
+            return torch.tensor([_inverse_cdf_numpy_row(probs.numpy()[0], float(uniforms[0]))])
         return torch.from_numpy(_inverse_cdf_numpy(probs.numpy(), uniforms.numpy()))
     return _inverse_cdf_torch(probs, uniforms)
 
@@ -237,6 +239,28 @@ def _inverse_cdf_numpy(probs: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
         offset = (inside <= (targets - before)[:, None]).sum(1)
         last_with_mass = (inside < inside[:, -1:]).sum(1)
         return np.where(total > 0, block * _BLOCK + np.minimum(offset, last_with_mass), -1).astype(np.int64)
+
+
+def _inverse_cdf_numpy_row(probs: np.ndarray, uniform: float) -> int:
+    """`_inverse_cdf_numpy` of one row probs [V], the same numpy sums (block masses, cumulative sums)
+    with the bounds as Python floats and the searches as `searchsorted` (the count of entries <= the
+    target, as there; the block's tokens past the vocabulary, zero mass there, are simply absent)."""
+    vocab = probs.shape[0]
+    whole = vocab - vocab % _BLOCK
+    block_mass = probs[:whole].reshape(-1, _BLOCK).sum(-1).astype(np.float64)
+    if whole < vocab:
+        block_mass = np.append(block_mass, np.float64(probs[whole:].sum()))
+    block_cdf = np.cumsum(block_mass)
+    total = float(block_cdf[-1])
+    if not total > 0:  # NaN (no mass) included
+        return -1
+    target = min(uniform * total, float(np.nextafter(total, 0.0)))
+    block = int(np.searchsorted(block_cdf, target, side="right"))
+    before = float(block_cdf[block - 1]) if block > 0 else 0.0
+    inside = np.cumsum(probs[block * _BLOCK : (block + 1) * _BLOCK].astype(np.float64))
+    offset = int(np.searchsorted(inside, target - before, side="right"))
+    last_with_mass = int(np.searchsorted(inside, inside[-1], side="left"))
+    return block * _BLOCK + min(offset, last_with_mass)
 
 
 _MASK64 = (1 << 64) - 1
