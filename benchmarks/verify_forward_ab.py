@@ -34,7 +34,7 @@ class Alternate:
         self.turn += 1
         return self.shapes[self.turn % len(self.shapes)]
 
-    def observe(self, num_requests: int, used: Any, seconds: float, tokens: dict) -> None:
+    def observe(self, num_requests: int, used: Any, seconds: float | None, tokens: dict) -> None:
         pass
 
 

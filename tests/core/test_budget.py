@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 import torch
@@ -236,7 +237,7 @@ class RecordingPolicy:
         return TreeShape(4)
 
     def observe(self, num_requests, used, seconds, tokens) -> None:
-        self.observed.append((num_requests, used, round(seconds, 6), tokens))
+        self.observed.append((num_requests, used, None if seconds is None else round(seconds, 6), tokens))
 
 
 def test_step_clock_reports_contiguous_decode_steps_only():
@@ -383,3 +384,22 @@ def test_a_costly_shape_that_clearly_pays_is_still_chosen():
     chosen = run_costed(policy, BATCH_16_SECONDS, tokens, 600)
     assert policy.best_shape(16) == TreeShape(7, 1)
     assert chosen[-200:].count(TreeShape(7, 1)) > 180
+
+
+def test_steps_switching_between_speculation_and_none_count_tokens_but_not_time():
+    """off -> chain -> chain -> off -> off: the first chain step (it stores the off steps' deferred draft
+    context) and the first off step (after a verify step) are reported without their time; the policy
+    then times neither, but counts their tokens."""
+    chain = TreeShape(7, 1)
+    policy = RecordingPolicy()
+    clock = StepClock(policy)
+    for i, shape in enumerate([OFF, chain, chain, OFF, OFF, OFF]):
+        clock.step_started(0.01 * i, 2, shape, decode_only=True)
+        clock.step_sampled(2 if shape.is_off else 6, {shape: 0 if shape.is_off else 4})
+        clock.step_ended(0.01 * i + 0.005)
+    assert [(o[1], o[2]) for o in policy.observed] == [(OFF, 0.01), (chain, None), (chain, 0.01), (OFF, None), (OFF, 0.01)]
+    adaptive = AdaptiveBudget(candidate_shapes(8, 7))
+    for seconds in (0.01, None, 0.02):  # first step in the bucket (untimed), a switch, a timed step
+        adaptive.observe(2, chain, seconds, {chain: 6})
+    assert adaptive.seconds[(batch_bucket(2), chain)].values == deque([0.02])
+    assert adaptive.tokens[chain].steps == 3

@@ -22,5 +22,5 @@ class ScriptedBudget:
         self.chosen.append(shape)
         return shape
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None:
+    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
         self.observed += 1

@@ -6,7 +6,8 @@ the configured cap (the cap itself included), ordered by node count. We keep the
 each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and decayed means of the tokens
 it commits per request and step, pooled over all batch sizes (acceptance depends on the text, not on
 the batch, and small buckets see few steps). Seconds are measured for the shape a step used, except
-its first step in the bucket (one-time costs: new tensor shapes, caches), and follow only shape and
+its first step in the bucket (one-time costs: new tensor shapes, caches) and steps that switch between
+speculation and none (they do the other side's deferred work, `StepClock`), and follow only shape and
 batch, so a short window of recent steps serves. Tokens follow the text (a repetition loop accepts every draft, fresh code
 few; sampling at T > 0 fewer than greedy), so they are decayed means over about thirty steps, decayed by
 engine steps rather than by the shape's own observations: a shape not run for a while (its tokens
@@ -82,7 +83,7 @@ class BudgetPolicy(Protocol):
 
     def choose(self, num_requests: int) -> TreeShape: ...
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None: ...
+    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None: ...
 
 
 def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
@@ -218,12 +219,13 @@ def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, i
 @dataclass
 class TimedStep:
     """One decode-only engine step as the policy sees it: batch size, the shape it verified, when it
-    started, seconds until its sampling ended (None until then), tokens committed and draft tokens
-    accepted per shape (`accepted_by_shape`)."""
+    started, whether it switched between speculation and none, seconds until its sampling ended (None
+    until then), tokens committed and draft tokens accepted per shape (`accepted_by_shape`)."""
 
     requests: int
     shape: TreeShape
     start: float
+    switched: bool = False
     busy: float | None = None
     committed: int = 0
     accepted: dict[TreeShape, int] = field(default_factory=dict)
@@ -237,13 +239,19 @@ class StepClock:
     per-step overhead, which the shape pays too. It is reported when the next step starts, unless the
     engine sat idle in between (the gap exceeds `idle_factor` x the step's busy time + `idle_slack`
     seconds), the step committed no tokens, or it never finished sampling. Steps that also prefill
-    prompt tokens are not timed (their time says nothing about the shape).
+    prompt tokens are not timed (their time says nothing about the shape). A step that switches between
+    speculation and none is reported without its time (seconds None; its tokens count): it does work
+    of the other side (measured: the first step without drafts after verify steps took 2-3x a plain
+    one; the first verify step after steps without drafts stores their deferred draft context), so a
+    short probe of the chain from off, or of off from the chain, would be charged the switch. (A policy
+    fed by this clock must hold a shape at least two steps for it to be timed after such a switch.)
     """
 
     policy: BudgetPolicy
     idle_factor: float = 2.0
     idle_slack: float = 0.02
     current: TimedStep | None = None
+    previous_shape: TreeShape | None = None
 
     def step_started(self, now: float, requests: int, shape: TreeShape, decode_only: bool) -> None:
         last = self.current
@@ -251,8 +259,10 @@ class StepClock:
             elapsed = now - last.start
             if elapsed < self.idle_factor * last.busy + self.idle_slack:
                 tokens = tokens_by_shape(last.committed, last.shape, last.accepted)
-                self.policy.observe(last.requests, last.shape, elapsed, tokens)
-        self.current = TimedStep(requests, shape, now) if requests > 0 and decode_only else None
+                self.policy.observe(last.requests, last.shape, None if last.switched else elapsed, tokens)
+        switched = self.previous_shape is not None and self.previous_shape.is_off != shape.is_off
+        self.current = TimedStep(requests, shape, now, switched) if requests > 0 and decode_only else None
+        self.previous_shape = shape
 
     def step_sampled(self, committed: int, accepted: dict[TreeShape, int]) -> None:
         if self.current is not None:
@@ -295,12 +305,12 @@ class AdaptiveBudget:
         self._held += 1
         return self._current
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float, tokens: dict[TreeShape, float]) -> None:
-        """A step of `num_requests` requests verified trees of shape `used` in `seconds`; tokens[s] = tokens
-        it committed (s = used) or would have committed (s nested in used, see `nested_shapes`), all
-        requests together."""
+    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
+        """A step of `num_requests` requests verified trees of shape `used` in `seconds` (None: untimed);
+        tokens[s] = tokens it committed (s = used) or would have committed (s nested in used, see
+        `nested_shapes`), all requests together."""
         bucket = batch_bucket(num_requests)
-        if (bucket, used) in self._untimed_first_steps:
+        if seconds is not None and (bucket, used) in self._untimed_first_steps:
             self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds)
         self._untimed_first_steps.add((bucket, used))
         self._observed_steps += 1
