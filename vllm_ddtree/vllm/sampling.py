@@ -78,9 +78,10 @@ def sample_nodes(
 ) -> torch.Tensor:
     """The target's token [T, N] at every (padded) node, from the step's logits [rows, V] and the row of
     each node's logits node_logit_rows [T, N]; draw_positions [T, N]: the sequence position each node's
-    token is drawn for (root position + depth + 1; None when no request is seeded). processed [T, N, V]: the nodes' logits after their
-    history-dependent options (`node_logits.process_node_logits`; left unchanged), None when the batch
-    uses none. Greedy batches without them take row argmaxes before selecting nodes (no copy)."""
+    token is drawn for (root position + depth + 1; None when no request is seeded). processed
+    [T, N, V]: the nodes' logits after their history-dependent options
+    (`node_logits.process_node_logits`; left unchanged), None when the batch uses none. Greedy batches
+    without them take row argmaxes before selecting nodes (no copy)."""
     if processed is not None:
         return sample_tree_tokens(processed, params, draw_positions)
     if params.all_greedy:

@@ -267,7 +267,7 @@ class TreeStep:
         return cls(
             root_rows=torch.from_numpy(root_rows.astype(np.int64)),
             starts=torch.from_numpy(starts.astype(np.int64)),
-            num_drafts=zeros[:, 0],
+            num_drafts=torch.from_numpy(np.zeros(num_req, dtype=np.int64)),
             tree=tree,
             has_drafts=False,
         )
