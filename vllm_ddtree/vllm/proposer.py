@@ -53,6 +53,8 @@ class DDTreeProposer(DFlashProposer):
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         """Context rows of steps without speculation not yet stored: (target hidden states, positions,
         KV slots), written by `store_deferred_context`."""
+        self.deferred_rows = 0
+        """How many rows `_deferred` holds."""
 
     def choose_shape(self, num_requests: int) -> TreeShape:
         """This step's tree shape, `last_shape`: the budget policy's choice for a batch of `num_requests`
@@ -142,13 +144,9 @@ class DDTreeProposer(DFlashProposer):
         when they are a view (vLLM's concatenation of the aux layers is a fresh tensor)."""
         states = target_hidden_states.clone() if target_hidden_states._is_view() else target_hidden_states
         self._deferred.append((states, positions.clone(), slots.clone()))
+        self.deferred_rows += positions.shape[0]
         if self.deferred_rows >= DEFERRED_ROWS:
             self.store_deferred_context()
-
-    @property
-    def deferred_rows(self) -> int:
-        """Context rows waiting for `store_deferred_context`."""
-        return sum(positions.shape[0] for _, positions, _ in self._deferred)
 
     def store_deferred_context(self) -> None:
         """Store the deferred context rows of steps without speculation in one pass (no-op if none).
@@ -158,6 +156,7 @@ class DDTreeProposer(DFlashProposer):
             return
         states, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
         self._deferred.clear()
+        self.deferred_rows = 0
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
     @override
@@ -179,5 +178,8 @@ def _rank_zeros(top: torch.Tensor) -> torch.Tensor:
 
 def _same_on_every_rank(shape: TreeShape) -> TreeShape:
     """TP rank 0's choice (each rank times its own steps; all must build the same trees)."""
-    shared = get_tp_group().broadcast(torch.tensor([shape.budget, shape.topk or 0]), src=0)
+    group = get_tp_group()
+    if group.world_size == 1:
+        return shape
+    shared = group.broadcast(torch.tensor([shape.budget, shape.topk or 0]), src=0)
     return TreeShape(int(shared[0]), int(shared[1]) or None)
