@@ -386,10 +386,10 @@ def test_a_costly_shape_that_clearly_pays_is_still_chosen():
     assert chosen[-200:].count(TreeShape(7, 1)) > 180
 
 
-def test_steps_switching_between_speculation_and_none_count_tokens_but_not_time():
-    """off -> chain -> chain -> off -> off: the first chain step (it stores the off steps' deferred draft
-    context) and the first off step (after a verify step) are reported without their time; the policy
-    then times neither, but counts their tokens."""
+def test_steps_drafting_the_other_kind_of_step_count_tokens_but_not_time():
+    """off -> chain -> chain -> off -> off -> off: a step ends by drafting for the next one, so the last
+    off step before the chain (it runs the draft pass) and the last chain step before off (it drafts
+    nothing) are reported without their time; the policy then times neither, but counts their tokens."""
     chain = TreeShape(7, 1)
     policy = RecordingPolicy()
     clock = StepClock(policy)
@@ -397,7 +397,8 @@ def test_steps_switching_between_speculation_and_none_count_tokens_but_not_time(
         clock.step_started(0.01 * i, 2, shape, decode_only=True)
         clock.step_sampled(2 if shape.is_off else 6, {shape: 0 if shape.is_off else 4})
         clock.step_ended(0.01 * i + 0.005)
-    assert [(o[1], o[2]) for o in policy.observed] == [(OFF, 0.01), (chain, None), (chain, 0.01), (OFF, None), (OFF, 0.01)]
+    assert [(o[1], o[2]) for o in policy.observed] == [(OFF, None), (chain, 0.01), (chain, None), (OFF, 0.01), (OFF, 0.01)]
+    assert [o[3] for o in policy.observed] == [{OFF: 2}, {chain: 6}, {chain: 6}, {OFF: 2}, {OFF: 2}]
     adaptive = AdaptiveBudget(candidate_shapes(8, 7))
     for seconds in (0.01, None, 0.02):  # first step in the bucket (untimed), a switch, a timed step
         adaptive.observe(2, chain, seconds, {chain: 6})
