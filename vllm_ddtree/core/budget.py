@@ -28,10 +28,15 @@ nodes, or the cap), and times the references next:
 off (cheap) and the chain, what a user would run instead of trees (at large batches on compute-bound
 hardware speculation loses, and a climb down to them would take several probes or stop on a tie
 before them); then take the best measured tokens
-per second, after each of its two neighbours has been timed `warmup` times, and with probability
-`explore` (seeded) re-time a neighbour or a reference (so one unlucky early timing cannot keep them
-out; a probe is kept with probability 1 / its step's cost in steps of the best shape, so re-timing a
-far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
+per second, after each of its two neighbours has been timed `warmup` times. Its rivals (the
+neighbours and the references) are measured again in two ways. Re-probes, paid from a credit of
+`reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
+rival whose upper confidence rate (tokens plus half a standard error, which grows as its samples age:
+`SampleSpread`) would win the switch, so an estimate taken on other text, or from two steps at batch 1,
+is not kept for hundreds of steps (off measures nothing else while it holds); else a rival whose timing
+is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
+random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
+a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed does not move
 it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
 rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
@@ -45,6 +50,7 @@ requests finish, must not spend their steps probing).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -53,6 +59,10 @@ import numpy as np
 import torch
 
 from vllm_ddtree.core.tree import DraftTree
+
+
+RETIME_AFTER_STEPS = 512
+"""Timings older than this many engine steps are re-taken (the machine's speed drifts)."""
 
 
 @dataclass(frozen=True)
@@ -113,12 +123,15 @@ class RecentMedian:
     window: int = 9
     values: deque[float] = field(default_factory=deque)
     steps: int = 0
+    last_step: int = 0
+    """The engine step of the last value (how old the estimate is)."""
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, step: int = 0) -> None:
         self.values.append(value)
         if len(self.values) > self.window:
             self.values.popleft()
         self.steps += 1
+        self.last_step = step
 
     @property
     def mean(self) -> float:
@@ -148,6 +161,42 @@ class DecayedMean:
     @property
     def mean(self) -> float:
         return self.total / self.weight if self.weight > 0 else 0.0
+
+
+@dataclass
+class SampleSpread:
+    """How well a shape's tokens per request are known: the standard error of their estimate.
+
+    A step of R requests whose mean is x is R samples of one request's tokens (E[R (x - mu)^2] is one
+    request's variance), so the variance comes from all of the shape's steps, request-weighted
+    (Welford), shrunk towards a prior variance with the weight of `prior_steps` steps (two equal steps
+    at batch 1 say little). The samples behind the estimate decay by `decay` per engine step since
+    they were observed, as the text changes: the standard error of a shape not measured for a while
+    grows until it is measured again.
+    """
+
+    requests: float = 0.0
+    mean: float = 0.0
+    squares: float = 0.0
+    steps: int = 0
+    recent: float = 0.0
+    last_step: int = 0
+
+    def add(self, value: float, requests: int, decay: float, step: int) -> None:
+        self.requests += requests
+        delta = value - self.mean
+        self.mean += requests / self.requests * delta
+        self.squares += requests * delta * (value - self.mean)
+        self.steps += 1
+        self.recent = decay ** max(0, step - self.last_step) * self.recent + requests
+        self.last_step = step
+
+    def standard_error(self, prior_variance: float, prior_steps: float, decay: float, step: int) -> float:
+        recent = decay ** max(0, step - self.last_step) * self.recent
+        if recent <= 0:
+            return math.inf
+        variance = (self.squares + prior_steps * prior_variance) / (self.steps - 1 + prior_steps)
+        return math.sqrt(max(0.0, variance) / recent)
 
 
 def nested_shapes(shapes: list[TreeShape], used: TreeShape) -> list[TreeShape]:
@@ -280,13 +329,19 @@ class AdaptiveBudget:
     hold: int = 4
     probe_hold: int = 2
     warmup: int = 1
-    explore: float = 0.05
+    explore: float = 0.02
     margin: float = 0.03
     seconds_window: int = 9
     tokens_decay: float = 0.97
+    reprobe: float = 0.015
+    confidence: float = 0.5
+    samples_decay: float = 0.99
+    prior_steps: float = 2.0
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
+    spread: dict[TreeShape, SampleSpread] = field(default_factory=dict)
     seconds: dict[tuple[int, TreeShape], RecentMedian] = field(default_factory=dict)
+    credit: dict[int, float] = field(default_factory=dict)
     _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
     _bucket: int = -1
@@ -310,11 +365,14 @@ class AdaptiveBudget:
         `nested_shapes`), all requests together."""
         bucket = batch_bucket(num_requests)
         if seconds is not None and (bucket, used) in self._untimed_first_steps:
-            self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds)
+            self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds, self._observed_steps)
+            self.credit[bucket] = self.credit.get(bucket, 0.0) + self.reprobe * seconds
         self._untimed_first_steps.add((bucket, used))
         self._observed_steps += 1
+        requests = max(1, num_requests)
         for shape, count in tokens.items():
-            self.tokens.setdefault(shape, DecayedMean()).add(count / max(1, num_requests), self.tokens_decay, self._observed_steps)
+            self.tokens.setdefault(shape, DecayedMean()).add(count / requests, self.tokens_decay, self._observed_steps)
+            self.spread.setdefault(shape, SampleSpread()).add(count / requests, requests, self.samples_decay, self._observed_steps)
 
     def best_shape(self, num_requests: int) -> TreeShape | None:
         """The shape this batch size's bucket holds as its best (None until it has measurements)."""
@@ -351,11 +409,50 @@ class AdaptiveBudget:
             best = leader  # hysteresis: the held best yields only to a rival enough faster
         self._best[bucket] = best
         retimed = [i for i in dict.fromkeys((best - 1, best + 1, *references)) if 0 <= i < len(self.shapes) and i != best]
+        if (doubt := self._reprobed(bucket, rates, best, retimed)) is not None:
+            return self.shapes[doubt], self.probe_hold
         if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
             probe = retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]
             if float(torch.rand(1, generator=self._rng)) * self._cost(bucket, probe, best) < 1:
                 return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
+
+    def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
+        """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
+        timed seconds): the one whose upper confidence rate (tokens + `confidence` standard errors,
+        `SampleSpread`) beats the held best by the margin a switch needs, by the most; else one whose
+        timing is older than RETIME_AFTER_STEPS engine steps (the machine's speed drifts; off's tokens are
+        exact, so only this and `explore` re-time it), the oldest first; the credit is not capped, as a
+        timing taken while the machine was slow makes its re-timing look costly. A probe costs the larger of its steps' extra
+        seconds and the seconds its tokens would have taken the best shape (unproductive time), plus an
+        off step when it switches between speculation and none (into a draft pass and back: measured at
+        batch 1)."""
+        # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
+        # no count in a range of width D varies more than (D / 2)^2
+        prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
+        timed = [i for i in rivals if i in rates]
+        doubts = {}
+        for i in timed:
+            shape = self.shapes[i]
+            if not shape.is_off:
+                error = self.spread[shape].standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
+                upper = rates[i] * (1 + self.confidence * error / max(self.tokens[shape].mean, 1e-9))
+                doubts[i] = upper / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
+        rival = max(doubts, key=doubts.get, default=None)
+        if rival is None or doubts[rival] <= 1:
+            ages = {i: self._observed_steps - self.seconds[(bucket, self.shapes[i])].last_step for i in timed}
+            rival = max(ages, key=ages.get, default=None)
+            if rival is None or ages[rival] <= RETIME_AFTER_STEPS:
+                return None
+        seconds, best_seconds = self.seconds[(bucket, self.shapes[rival])].mean, self.seconds[(bucket, self.shapes[best])].mean
+        slower = seconds - best_seconds  # the batch's view: its steps take longer
+        unproductive = seconds - self.tokens[self.shapes[rival]].mean / rates[best]  # the rate's: its tokens take the best less
+        switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
+        extra = self.probe_hold * max(0.0, slower, unproductive) + switches
+        if self.credit.get(bucket, 0.0) < extra:
+            return None
+        self.credit[bucket] -= extra
+        return rival
 
     def _cost(self, bucket: int, shape: int, best: int) -> float:
         """How many of `best`'s steps one step of `shape` costs in this bucket (at least 1; 1 when either
