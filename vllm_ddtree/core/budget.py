@@ -37,8 +37,10 @@ is not kept for hundreds of steps (off measures nothing else while it holds); el
 is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
-are the median of a shape's last 9 timed steps in the bucket (a step the machine slowed does not move
-it); tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
+are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
+machine slowed does not move it), each divided by the machine's speed at that moment, which the held
+shape's steps measure; a shape's seconds are its cost times the speed now, so shapes timed minutes
+apart on a machine whose speed drifts compare as if timed together. Tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
 rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
@@ -60,6 +62,11 @@ import torch
 
 from vllm_ddtree.core.tree import DraftTree
 
+
+SPEED_WINDOW = 3
+"""Steps the machine's speed is the median of (`AdaptiveBudget._time`): shorter than a shape's cost
+window, so a change of speed moves the speed within two steps, before it can move the held shape's
+cost (whose window holds more values)."""
 
 RETIME_AFTER_STEPS = 512
 """Timings older than this many engine steps are re-taken (the machine's speed drifts)."""
@@ -137,7 +144,8 @@ class RecentMedian:
     def mean(self) -> float:
         """The median (the name is the one the policy reads from every estimate)."""
         ordered = sorted(self.values)
-        return ordered[len(ordered) // 2] if ordered else 0.0
+        half = len(ordered) // 2
+        return 0.0 if not ordered else ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
 
 
 @dataclass
@@ -172,7 +180,8 @@ class SampleSpread:
     (Welford), shrunk towards a prior variance with the weight of `prior_steps` steps (two equal steps
     at batch 1 say little). The samples behind the estimate decay by `decay` per engine step since
     they were observed, as the text changes: the standard error of a shape not measured for a while
-    grows until it is measured again.
+    grows until it is measured again. `recent_mean` is the mean of those decayed samples: a longer
+    memory than the policy's token estimate (`DecayedMean`), which follows the text's dips.
     """
 
     requests: float = 0.0
@@ -180,6 +189,7 @@ class SampleSpread:
     squares: float = 0.0
     steps: int = 0
     recent: float = 0.0
+    recent_total: float = 0.0
     last_step: int = 0
 
     def add(self, value: float, requests: int, decay: float, step: int) -> None:
@@ -188,8 +198,14 @@ class SampleSpread:
         self.mean += requests / self.requests * delta
         self.squares += requests * delta * (value - self.mean)
         self.steps += 1
-        self.recent = decay ** max(0, step - self.last_step) * self.recent + requests
+        factor = decay ** max(0, step - self.last_step)
+        self.recent = factor * self.recent + requests
+        self.recent_total = factor * self.recent_total + requests * value
         self.last_step = step
+
+    @property
+    def recent_mean(self) -> float:
+        return self.recent_total / self.recent if self.recent > 0 else 0.0
 
     def standard_error(self, prior_variance: float, prior_steps: float, decay: float, step: int) -> float:
         recent = decay ** max(0, step - self.last_step) * self.recent
@@ -340,7 +356,8 @@ class AdaptiveBudget:
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     spread: dict[TreeShape, SampleSpread] = field(default_factory=dict)
-    seconds: dict[tuple[int, TreeShape], RecentMedian] = field(default_factory=dict)
+    costs: dict[tuple[int, TreeShape], RecentMedian] = field(default_factory=dict)
+    speed: dict[int, RecentMedian] = field(default_factory=dict)
     credit: dict[int, float] = field(default_factory=dict)
     _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
@@ -365,14 +382,40 @@ class AdaptiveBudget:
         `nested_shapes`), all requests together."""
         bucket = batch_bucket(num_requests)
         if seconds is not None and (bucket, used) in self._untimed_first_steps:
-            self.seconds.setdefault((bucket, used), RecentMedian(self.seconds_window)).add(seconds, self._observed_steps)
-            self.credit[bucket] = self.credit.get(bucket, 0.0) + self.reprobe * seconds
+            self._time(bucket, used, seconds)
+            # a bucket starts with the credit of RETIME_AFTER_STEPS steps: its first estimates, from a
+            # few steps each, are the least sure
+            initial = self.reprobe * seconds * RETIME_AFTER_STEPS if bucket not in self.credit else 0.0
+            self.credit[bucket] = self.credit.get(bucket, 0.0) + initial + self.reprobe * seconds
         self._untimed_first_steps.add((bucket, used))
         self._observed_steps += 1
         requests = max(1, num_requests)
         for shape, count in tokens.items():
             self.tokens.setdefault(shape, DecayedMean()).add(count / requests, self.tokens_decay, self._observed_steps)
             self.spread.setdefault(shape, SampleSpread()).add(count / requests, requests, self.samples_decay, self._observed_steps)
+
+    def _time(self, bucket: int, used: TreeShape, seconds: float) -> None:
+        """Paired timing: seconds = the machine's speed now x the shape's cost. A step of a shape whose
+        cost rests on a full window of steps (in practice the held shape) measures the speed (seconds /
+        cost; the median of the bucket's last SPEED_WINDOW such steps); every step adds seconds / that
+        speed to its shape's costs. So costs measured minutes apart compare as if measured together: a
+        probe timed while the machine ran at half speed (this VM drifts 2x within a minute) is charged
+        its cost, not the slowdown, as the held shape's steps around it carry the slowdown into the
+        speed. A probe's own steps never move the speed: a cost measured wrongly (a slow moment) would
+        otherwise explain its next steps away as a change of speed, and never be corrected."""
+        speed = self.speed.setdefault(bucket, RecentMedian(SPEED_WINDOW))
+        costs = self.costs.setdefault((bucket, used), RecentMedian(self.seconds_window))
+        if len(costs.values) == costs.window and costs.mean > 0:  # only a well-measured cost measures the speed
+            speed.add(seconds / costs.mean, self._observed_steps)
+        costs.add(seconds / (speed.mean if speed.values else 1.0), self._observed_steps)
+
+    def seconds(self, bucket: int, shape: TreeShape) -> float | None:
+        """A step of `shape` in `bucket` at the machine's speed now (None until timed)."""
+        costs = self.costs.get((bucket, shape))
+        if costs is None or not costs.values:
+            return None
+        speed = self.speed.get(bucket)
+        return costs.mean * (speed.mean if speed is not None and speed.values else 1.0)
 
     def best_shape(self, num_requests: int) -> TreeShape | None:
         """The shape this batch size's bucket holds as its best (None until it has measurements)."""
@@ -382,10 +425,11 @@ class AdaptiveBudget:
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
         """Measured tokens per second and request of the batch (ranks the shapes of one bucket), or None
         until the shape has been timed `warmup` times in this bucket (after its untimed first step)."""
-        seconds, tokens = self.seconds.get((bucket, shape)), self.tokens.get(shape)
-        if seconds is None or tokens is None or seconds.steps < self.warmup or seconds.mean <= 0:
+        costs, tokens = self.costs.get((bucket, shape)), self.tokens.get(shape)
+        seconds = self.seconds(bucket, shape)
+        if costs is None or tokens is None or costs.steps < self.warmup or seconds is None or seconds <= 0:
             return None
-        return tokens.mean / seconds.mean
+        return tokens.mean / seconds
 
     def _pick(self, bucket: int) -> tuple[TreeShape, int]:
         """(shape, steps to hold it)."""
@@ -419,8 +463,10 @@ class AdaptiveBudget:
 
     def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
-        timed seconds): the one whose upper confidence rate (tokens + `confidence` standard errors,
-        `SampleSpread`) beats the held best by the margin a switch needs, by the most; else one whose
+        timed seconds): the one whose upper confidence rate (`confidence` standard errors, `SampleSpread`,
+        above the larger of its token estimate and the longer-memory mean of its samples: an estimate
+        taken in a dip of the text is re-measured sooner) beats the held best by the margin a switch
+        needs, by the most; else one whose
         timing is older than RETIME_AFTER_STEPS engine steps (the machine's speed drifts; off's tokens are
         exact, so only this and `explore` re-time it), the oldest first; the credit is not capped, as a
         timing taken while the machine was slow makes its re-timing look costly. A probe costs the larger of its steps' extra
@@ -435,16 +481,18 @@ class AdaptiveBudget:
         for i in timed:
             shape = self.shapes[i]
             if not shape.is_off:
-                error = self.spread[shape].standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
-                upper = rates[i] * (1 + self.confidence * error / max(self.tokens[shape].mean, 1e-9))
-                doubts[i] = upper / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
+                spread, tokens = self.spread[shape], self.tokens[shape].mean
+                error = spread.standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
+                upper = max(tokens, spread.recent_mean) + self.confidence * error  # a dip of the text may be brief
+                doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
         rival = max(doubts, key=doubts.get, default=None)
         if rival is None or doubts[rival] <= 1:
-            ages = {i: self._observed_steps - self.seconds[(bucket, self.shapes[i])].last_step for i in timed}
+            ages = {i: self._observed_steps - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
             rival = max(ages, key=ages.get, default=None)
             if rival is None or ages[rival] <= RETIME_AFTER_STEPS:
                 return None
-        seconds, best_seconds = self.seconds[(bucket, self.shapes[rival])].mean, self.seconds[(bucket, self.shapes[best])].mean
+        seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
+        assert seconds is not None and best_seconds is not None  # both have rates
         slower = seconds - best_seconds  # the batch's view: its steps take longer
         unproductive = seconds - self.tokens[self.shapes[rival]].mean / rates[best]  # the rate's: its tokens take the best less
         switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
@@ -464,8 +512,8 @@ class AdaptiveBudget:
         make its re-timing rarer."""
         if self.shapes[shape].is_off:
             return 1.0
-        mine, theirs = self.seconds.get((bucket, self.shapes[shape])), self.seconds.get((bucket, self.shapes[best]))
-        if mine is None or theirs is None or theirs.mean <= 0:
+        mine, theirs = self.costs.get((bucket, self.shapes[shape])), self.costs.get((bucket, self.shapes[best]))
+        if mine is None or theirs is None or not mine.values or not theirs.values or theirs.mean <= 0:
             return 1.0
         return max(1.0, mine.mean / theirs.mean)
 
@@ -478,7 +526,7 @@ class AdaptiveBudget:
         measured (whose best says little here: trees that pay at batch 1 can cost several times an off
         step at batch 16), off, the cheap reference; else (nothing measured) the first tree of >= 8
         nodes (or the cap)."""
-        measured = sorted({b for b, _ in self.seconds}, key=lambda b: (abs(b - bucket), b))
+        measured = sorted({b for b, _ in self.costs}, key=lambda b: (abs(b - bucket), b))
         for other in (b for b in measured if abs(b - bucket) <= 1):
             if rates := self._rates(other):
                 return max(rates, key=rates.get)

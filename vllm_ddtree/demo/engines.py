@@ -277,8 +277,8 @@ def runner_state(worker: Any) -> tuple[dict[str, float] | None, dict[str, int] |
     if policy is None:
         return stages, None
     steps: Counter[str] = Counter()
-    for (_, shape), mean in policy.seconds.items():
-        steps[shape_label(shape)] += mean.steps
+    for (_, shape), costs in policy.costs.items():
+        steps[shape_label(shape)] += costs.steps
     return stages, dict(steps)
 
 
