@@ -40,8 +40,8 @@ a far costlier shape is rarer and exploration costs about the same whatever the 
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
 machine slowed does not move it), each divided by the machine's speed at that moment, which the held
 shape's steps measure; a shape's seconds are its cost times the speed now, so shapes timed minutes
-apart on a machine whose speed drifts compare as if timed together. Tokens are decayed means. Hysteresis: the best shape of a bucket changes only when a
-rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
+apart on a machine whose speed drifts compare as if timed together. Tokens are decayed means.
+Hysteresis: the best shape of a bucket changes only when a rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
 the batch's tail) needs stronger evidence; the climb still follows the measured leader's unmeasured
@@ -463,44 +463,52 @@ class AdaptiveBudget:
 
     def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
-        timed seconds): the one whose upper confidence rate (`confidence` standard errors, `SampleSpread`,
-        above the larger of its token estimate and the longer-memory mean of its samples: an estimate
-        taken in a dip of the text is re-measured sooner) beats the held best by the margin a switch
-        needs, by the most; else one whose
-        timing is older than RETIME_AFTER_STEPS engine steps (the machine's speed drifts; off's tokens are
-        exact, so only this and `explore` re-time it), the oldest first; the credit is not capped, as a
-        timing taken while the machine was slow makes its re-timing look costly. A probe costs the larger of its steps' extra
-        seconds and the seconds its tokens would have taken the best shape (unproductive time), plus an
-        off step when it switches between speculation and none (into a draft pass and back: measured at
-        batch 1)."""
-        # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
-        # no count in a range of width D varies more than (D / 2)^2
-        prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
+        timed seconds): the most doubted one (`_doubted`), else the one whose timing is oldest, once
+        older than RETIME_AFTER_STEPS engine steps (the machine's speed drifts; off's tokens are exact,
+        so only this and `explore` re-time it). The credit is not capped: a timing taken while the
+        machine was slow makes its own re-timing look costly."""
         timed = [i for i in rivals if i in rates]
-        doubts = {}
-        for i in timed:
-            shape = self.shapes[i]
-            if not shape.is_off:
-                spread, tokens = self.spread[shape], self.tokens[shape].mean
-                error = spread.standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
-                upper = max(tokens, spread.recent_mean) + self.confidence * error  # a dip of the text may be brief
-                doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
-        rival = max(doubts, key=doubts.get, default=None)
-        if rival is None or doubts[rival] <= 1:
+        rival = self._doubted(bucket, rates, best, timed)
+        if rival is None:
             ages = {i: self._observed_steps - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
             rival = max(ages, key=ages.get, default=None)
             if rival is None or ages[rival] <= RETIME_AFTER_STEPS:
                 return None
-        seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
-        assert seconds is not None and best_seconds is not None  # both have rates
-        slower = seconds - best_seconds  # the batch's view: its steps take longer
-        unproductive = seconds - self.tokens[self.shapes[rival]].mean / rates[best]  # the rate's: its tokens take the best less
-        switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
-        extra = self.probe_hold * max(0.0, slower, unproductive) + switches
+        extra = self._probe_cost(bucket, rates, best, rival)
         if self.credit.get(bucket, 0.0) < extra:
             return None
         self.credit[bucket] -= extra
         return rival
+
+    def _doubted(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
+        """The rival whose upper confidence rate beats the held best by the margin a switch needs, by the
+        most (None if none does): `confidence` standard errors (`SampleSpread`) above the larger of its
+        token estimate and the longer-memory mean of its samples (an estimate taken in a dip of the
+        text is doubted sooner). Off is never doubted: its tokens are exact."""
+        # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
+        # no count in a range of width D varies more than (D / 2)^2
+        prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
+        doubts = {}
+        for i in rivals:
+            shape = self.shapes[i]
+            if not shape.is_off:
+                spread, tokens = self.spread[shape], self.tokens[shape].mean
+                error = spread.standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
+                upper = max(tokens, spread.recent_mean) + self.confidence * error
+                doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
+        rival = max(doubts, key=doubts.get, default=None)
+        return rival if rival is not None and doubts[rival] > 1 else None
+
+    def _probe_cost(self, bucket: int, rates: dict[int, float], best: int, rival: int) -> float:
+        """Seconds a probe of `rival` costs over the held best: per step the larger of its extra seconds
+        (the batch's view) and the seconds its tokens would have taken the best (the rate's view), plus
+        an off step when it switches between speculation and none (into a draft pass and back: measured
+        at batch 1)."""
+        seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
+        assert seconds is not None and best_seconds is not None  # both have rates
+        unproductive = seconds - self.tokens[self.shapes[rival]].mean / rates[best]
+        switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
+        return self.probe_hold * max(0.0, seconds - best_seconds, unproductive) + switches
 
     def _cost(self, bucket: int, shape: int, best: int) -> float:
         """How many of `best`'s steps one step of `shape` costs in this bucket (at least 1; 1 when either
