@@ -13,7 +13,9 @@ block_size - 1; T = 0 only, since vLLM's CPU rejection sampler is biased at T > 
 (`ddtree_topk: 1`: the chain's shape under DDTree's exact sampler, the chain baseline at T > 0 and the
 stage-timed chain of the zero-overhead bound); DDTree at fixed budgets (`ddtree_adaptive: false`);
 DDTree's default configuration (only `num_speculative_tokens` = `--default-budget`: adaptive). vLLM's
-n-gram is not run (see `python -m vllm_ddtree.demo --help`).
+n-gram is not run (see `python -m vllm_ddtree.demo --help`). `--control` adds a second engine without
+speculation: two identical engines should measure 1.00x; what they measure instead is the resolution
+of every other ratio of the run.
 
 How (`vllm_ddtree.demo.engines`): one engine per variant, each in its own vLLM engine-core process, all
 alive at once. Per cell, `--warmup-rounds` untimed rounds (they also fill the prefix cache: in 2k cells
@@ -104,6 +106,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--target", help="target checkpoint (default: the shipped pair's); give --draft with it")
     parser.add_argument("--draft", help="its DFlash draft checkpoint")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor parallelism of every engine (GPU)")
+    parser.add_argument(
+        "--control", action="store_true",
+        help="a second engine without speculation: its ratio to the first shows how far two identical engines differ within a run",
+    )
     parser.add_argument(
         "--quick", action="store_true",
         help="batches 1 4, T 0, short context, budget 8 (the default covers larger trees), 4 prompts, 32 tokens, 2 rounds",
@@ -272,7 +278,9 @@ def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple
     target, draft = (args.target, args.draft) if args.target else demo_pair_paths()
     tokenizer = args.target  # the shipped pair's prompts are its token ids; another target's, its tokens of the same text
     cells = cells_of(args)
-    variants = build_variants(draft, args.budgets, args.default_budget, with_chain=any(c.temperature == 0 for c in cells))
+    variants = build_variants(
+        draft, args.budgets, args.default_budget, with_chain=any(c.temperature == 0 for c in cells), with_control=args.control
+    )
     spec_of = {v.name: v for v in variants}
     largest_budget = max(args.budgets + [args.default_budget])
     prompts = {

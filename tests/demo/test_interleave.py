@@ -97,6 +97,21 @@ def test_summaries_divide_inside_rounds_by_the_right_baseline():
     assert sampled["b8"].vs_chain.values == pytest.approx((180 / 120, 240 / 260))  # width 1 at T > 0
 
 
+def test_a_control_engine_is_measured_against_no_speculation_and_changes_no_baseline():
+    """`--control`: a second engine without speculation, of its own kind, so neither baseline moves."""
+    from vllm_ddtree.demo import demo_pair_paths
+    from vllm_ddtree.demo.summary import build_variants
+
+    draft = demo_pair_paths()[1]
+    assert [v.kind for v in build_variants(draft, [8], 32, with_control=True)][:2] == ["none", "control"]
+    assert "control" not in [v.kind for v in build_variants(draft, [8], 32)]
+    variants = [_spec(NO_SPECULATION, "none"), _spec("control", "control"), _spec("w1", "width1", 7)]
+    runs = {NO_SPECULATION: _timed([100, 200]), "control": _timed([90, 210]), "w1": _timed([120, 260], 0.01)}
+    summaries = {s.variant: s for s in summarize(1.0, variants, runs)}
+    assert summaries["control"].vs_none.values == pytest.approx((0.9, 1.05))
+    assert summaries["w1"].vs_none.values == pytest.approx((1.2, 1.3))
+
+
 def test_greedy_mismatches_name_variant_round_and_prompt():
     same, other = _run(1.0, 3, SpecCounters()), TimedRun(1.0, [[1, 1, 1], [1, 2, 1]], SpecCounters(), None, None, Pass(0.0, None))
     rounds = [{NO_SPECULATION: same, "b8": same}, {NO_SPECULATION: same, "b8": other}]

@@ -38,16 +38,21 @@ def chain_length(draft: str) -> int:
 
 
 def build_variants(
-    draft: str, budgets: list[int], default_budget: int, with_chain: bool = True, with_ngram: bool = False
+    draft: str, budgets: list[int], default_budget: int, with_chain: bool = True, with_ngram: bool = False,
+    with_control: bool = False,
 ) -> list[VariantSpec]:
-    """No speculation; vLLM's DFlash chain (num_speculative_tokens = block_size - 1; greedy only: vLLM's
-    CPU rejection sampler is biased at T > 0); DDTree of width 1 (`ddtree_topk: 1`, the chain's shape
-    under DDTree's exact sampler: the chain baseline at T > 0 and the stage-timed chain); DDTree at each
-    fixed budget (`ddtree_adaptive: false`); DDTree's default configuration (only
-    `num_speculative_tokens`: adaptive); vLLM's n-gram (prompt lookup, 4-grams) last, if asked for."""
+    """No speculation (with_control, a second one of kind "control": its ratio to the first is what two
+    identical engines differ by within a run); vLLM's DFlash chain (num_speculative_tokens =
+    block_size - 1; greedy only: vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1
+    (`ddtree_topk: 1`, the chain's shape under DDTree's exact sampler: the chain baseline at T > 0 and
+    the stage-timed chain); DDTree at each fixed budget (`ddtree_adaptive: false`); DDTree's default
+    configuration (only `num_speculative_tokens`: adaptive); vLLM's n-gram (prompt lookup, 4-grams)
+    last, if asked for."""
     depth = chain_length(draft)
     ddtree = {"method": "ddtree", "model": draft}
     variants = [VariantSpec(NO_SPECULATION, "none", None, None)]
+    if with_control:
+        variants.append(VariantSpec(f"{NO_SPECULATION} (control)", "control", None, None))
     if with_chain:
         config = {"method": "dflash", "model": draft, "num_speculative_tokens": depth}
         variants.append(VariantSpec("dflash chain (vLLM)", "chain", depth, config, greedy_only=True))
