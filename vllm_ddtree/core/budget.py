@@ -152,23 +152,28 @@ class RecentMedian:
 class DecayedMean:
     """Exponentially weighted mean of a per-step quantity, decayed by the engine steps since the last
     value: a value observed `step - last_step` steps ago weighs decay**(that) as much as a new one, so
-    a shape measured long ago (the text has changed since) is re-learnt from its next few steps."""
+    a shape measured long ago (the text has changed since) is re-learnt from its next few steps. A
+    value may weigh more than one (`weight`: the requests behind it, `SampleSpread`)."""
 
     total: float = 0.0
     weight: float = 0.0
     steps: int = 0
     last_step: int = 0
 
-    def add(self, value: float, decay: float, step: int) -> None:
+    def add(self, value: float, decay: float, step: int, weight: float = 1.0) -> None:
         factor = decay ** max(1, step - self.last_step)
-        self.total = factor * self.total + value
-        self.weight = factor * self.weight + 1.0
+        self.total = factor * self.total + weight * value
+        self.weight = factor * self.weight + weight
         self.steps += 1
         self.last_step = step
 
     @property
     def mean(self) -> float:
         return self.total / self.weight if self.weight > 0 else 0.0
+
+    def weight_at(self, decay: float, step: int) -> float:
+        """The values' total weight as of engine step `step` (decayed since the last value)."""
+        return decay ** max(0, step - self.last_step) * self.weight
 
 
 @dataclass
@@ -188,9 +193,7 @@ class SampleSpread:
     mean: float = 0.0
     squares: float = 0.0
     steps: int = 0
-    recent: float = 0.0
-    recent_total: float = 0.0
-    last_step: int = 0
+    recent: DecayedMean = field(default_factory=DecayedMean)
 
     def add(self, value: float, requests: int, decay: float, step: int) -> None:
         self.requests += requests
@@ -198,17 +201,14 @@ class SampleSpread:
         self.mean += requests / self.requests * delta
         self.squares += requests * delta * (value - self.mean)
         self.steps += 1
-        factor = decay ** max(0, step - self.last_step)
-        self.recent = factor * self.recent + requests
-        self.recent_total = factor * self.recent_total + requests * value
-        self.last_step = step
+        self.recent.add(value, decay, step, weight=requests)
 
     @property
     def recent_mean(self) -> float:
-        return self.recent_total / self.recent if self.recent > 0 else 0.0
+        return self.recent.mean
 
     def standard_error(self, prior_variance: float, prior_steps: float, decay: float, step: int) -> float:
-        recent = decay ** max(0, step - self.last_step) * self.recent
+        recent = self.recent.weight_at(decay, step)
         if recent <= 0:
             return math.inf
         variance = (self.squares + prior_steps * prior_variance) / (self.steps - 1 + prior_steps)
