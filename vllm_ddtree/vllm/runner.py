@@ -5,11 +5,13 @@ masks (`_build_attention_metadata`, the platform's attention) -> sample every no
 (`_sample`) -> compact the accepted nodes' KV -> put the drafter's context in path order and draft the
 next trees (`propose_draft_token_ids`). `tree_step.py` states the step object's lifecycle.
 
-Every token this runner emits comes from the core's sampling rule (`vllm_ddtree.core.sampling`):
-tree nodes, the bonus token, and the token of a request without drafts (prefill, a step the budget
-policy runs without speculation) alike; vLLM's sampler and rejection sampler never run. So a seeded
-request's token at position p is always the draw keyed by (seed, p), whatever the trees, the batch or
-the policy did, and no sampling option can reach a vLLM code path the tree walk does not use.
+Every token of a step with drafts comes from the core's sampling rule (`vllm_ddtree.core.sampling`),
+tree nodes and the bonus token alike; vLLM's rejection sampler never runs. A step without drafts
+(prefill, a step the budget policy runs without speculation) is plain decoding: vLLM's own sampler
+draws it when the batch has no request whose tokens must not depend on the policy (seeded: the core
+rule keys a seeded request's token at position p by (seed, p), whatever the trees, the batch or the
+policy did) or whose options only the core rule serves (`sampling.plain_sampler_serves`); the core
+rule otherwise.
 
 The platform layer (`cpu_runner.py`) supplies what differs per device: the KV slots of this step's
 rows, the tree attention metadata, moving K/V rows in the paged cache, and the attention check.
@@ -42,6 +44,7 @@ from vllm_ddtree.vllm.sampling import (
     emitted_logprob_values,
     gather_emitted_logprobs,
     gather_node_logits,
+    plain_sampler_serves,
     sample_nodes,
     tree_sampling_params,
 )
@@ -92,6 +95,7 @@ class DDTreeRunnerMixin:
         self.num_chain_fallbacks = 0
         self._serve_min_p_and_logit_bias()
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
+        self._structured = False  # whether this step's batch has a structured request past its prefill
         if self.drafter.budget_policy is not None:
             self.use_budget_policy(self.drafter.budget_policy)
 
@@ -148,6 +152,7 @@ class DDTreeRunnerMixin:
     @override
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self._drafted = False
+        self._structured = scheduler_output.has_structured_output_requests
         if _blocks_may_change_hands(scheduler_output):
             self.drafter.store_deferred_context()
         if self.clock is not None:
@@ -256,6 +261,13 @@ class DDTreeRunnerMixin:
         shard)."""
         step = self.step
         assert step is not None and logits is not None
+        if not step.has_drafts and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured):
+            with self.stage_times.stage(ACCEPTANCE):
+                sampled = super()._sample(logits, None).sampled_token_ids
+                sampled = get_tp_group().broadcast(sampled, src=0)  # one token per request on every rank
+            if self.clock is not None:
+                self._clock_sampled(step, sampled)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         with self.stage_times.stage(ACCEPTANCE):
             self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
             processed = self._sample_nodes(logits, step)
@@ -350,13 +362,14 @@ class DDTreeRunnerMixin:
 
     def _clock_sampled(self, step: TreeStep, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
-        assert self.clock is not None and step.acceptance is not None
+        assert self.clock is not None
         num_reqs = step.tree.num_requests
         discarded = int(self.discard_request_mask.np[:num_reqs].sum())
         used = self.drafter.last_shape
         if not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
+        assert step.acceptance is not None
         committed = int((output >= 0).sum()) - discarded
         accepted = accepted_by_shape(self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted)
         self.clock.step_sampled(committed, accepted)

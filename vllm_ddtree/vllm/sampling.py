@@ -7,9 +7,11 @@ Invariants:
 - a seeded request's draws are keyed by (its seed, the position drawn) (the seed is its vLLM
   generator's initial seed; the generator's stream is not used for tree nodes), so its tokens do not
   depend on its tree's shape or size, on the scheduler cutting trees, or on the rest of the batch;
-- every token of method 'ddtree' comes from this rule, the first token after a prefill and the tokens
-  of steps without drafts included: vLLM's sampler and rejection sampler are never used (on CPU the
-  rejection sampler is biased at T > 0, and vLLM's CPU top-k crashes on a step without drafts).
+- every tree node's token comes from this rule; vLLM's rejection sampler is never used (on CPU it is
+  biased at T > 0). A step without drafts (no speculation this step, prefills) is plain decoding, and
+  vLLM's own sampler serves it when that changes nothing (`plain_sampler_serves`): the same
+  distribution and greedy token, and no request whose tokens must not depend on which steps ran
+  without drafts (seeded draws) or whose options take a path only this rule implements.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
 from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tokens
 from vllm_ddtree.core.sampling import argmax_first
+from vllm_ddtree.vllm.node_logits import needs_node_processing
 
 
 def tree_sampling_params(
@@ -52,11 +55,38 @@ def tree_sampling_params(
     )
 
 
+def plain_sampler_serves(sampling_metadata: Any, has_structured_requests: bool) -> bool:
+    """Whether vLLM's sampler may draw a step without drafts for the batch (it costs a third of this rule's time on a CPU: no per-node gathers, one fused draw). It may when
+    every request is greedy, or sampled with temperature and top_p alone, and none is:
+    - seeded: this rule keys its draws by (seed, position), so its tokens do not depend on which steps
+      the policy ran without drafts; vLLM's generator stream would;
+    - top_k: vLLM's CPU top-k without top_p fails on a top_k above the vocabulary size (engine down);
+    - min_p, penalties, bad words, allowed tokens, logit bias, min_tokens (`needs_node_processing`),
+      structured (the runner masks grammar itself, `node_grammar`), asking for logprobs: each is served
+      by one path, this rule's, at every step, so it never depends on the policy either."""
+    metadata = sampling_metadata
+    return not (
+        has_structured_requests
+        or metadata.generators
+        or metadata.top_k is not None
+        or metadata.max_num_logprobs is not None
+        or metadata.logprob_token_ids
+        or _min_p_processor(metadata) is not None
+        or needs_node_processing(metadata)
+    )
+
+
 def _min_p(sampling_metadata: Any, num_reqs: int, device: torch.device) -> torch.Tensor | None:
     """[num_reqs] min_p of each request (0: off), from vLLM's min_p processor; None when none uses it."""
+    processor = _min_p_processor(sampling_metadata)
+    return None if processor is None else processor.min_p_cpu_tensor[:num_reqs].to(device, copy=True)
+
+
+def _min_p_processor(sampling_metadata: Any) -> MinPLogitsProcessor | None:
+    """vLLM's min_p processor of the batch when some request uses min_p."""
     for processor in sampling_metadata.logitsprocs.argmax_invariant:
         if isinstance(processor, MinPLogitsProcessor) and processor.min_p_count:
-            return processor.min_p_cpu_tensor[:num_reqs].to(device, copy=True)
+            return processor
     return None
 
 
