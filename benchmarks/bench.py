@@ -6,7 +6,9 @@ largest budget tokens (1856 by default), so that prompt, output and the trees fi
 positions (`prompt_tokens`). The pair was trained on 512-token sequences: in 2k cells it is far outside
 its range and accepts few drafts (measured: 1.07 tokens per step for the chain at batch 1, T = 0). Every
 cell serves the same `--prompts` prompts, `batch` per `LLM.generate` call (batch 1: one call per
-prompt), `--max-tokens` new tokens each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i.
+prompt), `--max-tokens` new tokens each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i, or unseeded
+with `--unseeded` (as most users send requests: DDTree's steps without drafts are then drawn by vLLM's
+own sampler, seeded requests' by DDTree's exact rule, keyed by position).
 
 Variants (`summary.build_variants`): no speculation; vLLM's DFlash chain (num_speculative_tokens =
 block_size - 1; T = 0 only, since vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1
@@ -109,6 +111,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--control", action="store_true",
         help="a second engine without speculation: its ratio to the first shows how far two identical engines differ within a run",
+    )
+    parser.add_argument(
+        "--unseeded", action="store_true",
+        help="requests at T > 0 without seeds (default: prompt i seeded with 1000 + i, the same draws every round)",
     )
     parser.add_argument(
         "--quick", action="store_true",
@@ -297,7 +303,7 @@ def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple
     try:
         for cell in cells:
             active = [e for e in engines if cell.temperature == 0 or not spec_of[e.name].greedy_only]
-            work = Work(prompts[cell.context], cell.batch, cell.temperature, args.max_tokens)
+            work = Work(prompts[cell.context], cell.batch, cell.temperature, args.max_tokens, seeded=not args.unseeded)
             start = time.perf_counter()
             try:
                 runs, rounds = measure_cell(active, work, args.rounds, args.warmup_rounds, shift)

@@ -119,12 +119,15 @@ def context_prompts(n: int, num_tokens: int, tokenizer: str | None = None) -> li
 class Work:
     """What one timed run serves: every prompt (token ids), `batch` of them per `LLM.generate` call,
     `max_tokens` new tokens each (ignore_eos); greedy at temperature 0, else prompt i seeded with
-    SEED_BASE + i (the same draws in every round)."""
+    SEED_BASE + i (the same draws in every round) unless `seeded` is off (requests as most users send
+    them: method 'ddtree' then draws its steps without drafts with vLLM's sampler, seeded ones with the
+    core rule, `vllm.sampling.plain_sampler_serves`)."""
 
     prompts: tuple[tuple[int, ...], ...]
     batch: int
     temperature: float
     max_tokens: int
+    seeded: bool = True
 
     def calls(self) -> Iterator[tuple[list[dict[str, list[int]]], Any]]:
         """(prompts, sampling params) of each `LLM.generate` call, in order."""
@@ -137,7 +140,8 @@ class Work:
                 sampling: Any = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
             else:
                 sampling = [
-                    SamplingParams(temperature=self.temperature, seed=SEED_BASE + i, max_tokens=self.max_tokens, ignore_eos=True)
+                    SamplingParams(temperature=self.temperature, seed=SEED_BASE + i if self.seeded else None,
+                                   max_tokens=self.max_tokens, ignore_eos=True)
                     for i in indices
                 ]
             yield prompts, sampling

@@ -96,6 +96,8 @@ class DDTreeRunnerMixin:
         self._serve_min_p_and_logit_bias()
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
         self._structured = False  # whether this step's batch has a structured request past its prefill
+        self._no_draft_indices: dict[int, tuple[torch.Tensor, ...]] = {}
+        """The spec-decode metadata's index tensors of a step without drafts, by batch size."""
         if self.drafter.budget_policy is not None:
             self.use_budget_policy(self.drafter.budget_policy)
 
@@ -223,16 +225,25 @@ class DDTreeRunnerMixin:
         gathers and host-to-device copies of index arrays."""
         if num_draft_tokens.any():
             return super()._calc_spec_decode_metadata(num_draft_tokens, cu_num_scheduled_tokens)
-        device = self.device
-        requests = torch.arange(len(num_draft_tokens), dtype=torch.int32)
+        num_reqs = len(num_draft_tokens)
+        indices = self._no_draft_indices.get(num_reqs)
+        if indices is None:  # read-only index tensors, the same at every step of this batch size
+            requests = torch.arange(num_reqs, dtype=torch.int32)
+            indices = self._no_draft_indices[num_reqs] = (
+                torch.zeros_like(requests, device=self.device),
+                (requests + 1).to(self.device),
+                torch.zeros(0, dtype=torch.int32, device=self.device),
+                requests.to(self.device),
+            )
+        cu_num_draft_tokens, cu_num_sampled_tokens, target_logits_indices, bonus_logits_indices = indices
         return SpecDecodeMetadata(
             draft_token_ids=self.input_ids.gpu[:0],
-            num_draft_tokens=num_draft_tokens.tolist(),
-            cu_num_draft_tokens=torch.zeros_like(requests, device=device),
-            cu_num_sampled_tokens=(requests + 1).to(device, non_blocking=True),
-            target_logits_indices=torch.zeros(0, dtype=torch.int32, device=device),
-            bonus_logits_indices=requests.to(device, non_blocking=True),
-            logits_indices=torch.from_numpy(cu_num_scheduled_tokens - 1).to(device, non_blocking=True),
+            num_draft_tokens=[0] * num_reqs,
+            cu_num_draft_tokens=cu_num_draft_tokens,
+            cu_num_sampled_tokens=cu_num_sampled_tokens,
+            target_logits_indices=target_logits_indices,
+            bonus_logits_indices=bonus_logits_indices,
+            logits_indices=torch.from_numpy(cu_num_scheduled_tokens - 1).to(self.device, non_blocking=True),
         )
 
     @override
@@ -397,6 +408,8 @@ class DDTreeRunnerMixin:
         generators lack `set_offset`)."""
         num_reqs = self.input_batch.num_reqs
         generators = self.input_batch.generators
+        if not generators:
+            return super()._bookkeeping_sync(*args, **kwargs)
         discarded = np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
         hidden = {int(i): generators.pop(int(i)) for i in discarded if int(i) in generators}
         try:
