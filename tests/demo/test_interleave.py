@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.demo import heldout_prompts
-from vllm_ddtree.demo.engines import Pass, SpecRecorder, TimedRun, context_prompts, rotated
+from vllm_ddtree.demo.engines import Engine, Pass, SpecRecorder, TimedRun, Work, context_prompts, rotated, serve_interleaved
 from vllm_ddtree.demo.side_by_side import SpecCounters
 from vllm_ddtree.demo.summary import NO_SPECULATION, VariantSpec, greedy_mismatches, summarize
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, STAGES
@@ -18,6 +18,31 @@ def test_rotation_puts_every_variant_in_every_place():
     orders = [rotated(variants, k) for k in range(3)]
     assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert rotated(variants, 4) == orders[1]
+
+
+def test_every_call_of_a_pass_is_served_by_every_engine_in_a_rotating_order():
+    pytest.importorskip("vllm")  # Work.calls builds vLLM's SamplingParams
+    log: list[tuple[str, list[int]]] = []
+
+    class FakeLLM:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompts, sampling, use_tqdm=False):
+            log.append((self.name, [p["prompt_token_ids"][0] for p in prompts]))
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p["prompt_token_ids"][0], 0])]) for p in prompts]
+
+    engines = []
+    for name in ("a", "b"):
+        engine = Engine(name, FakeLLM(name), SpecRecorder())
+        engine.state = lambda: (None, None)
+        engines.append(engine)
+    served = serve_interleaved(engines, Work(((1,), (2,), (3,)), 1, 0.0, 2), shift=1)
+    assert log == [("b", [1]), ("a", [1]), ("a", [2]), ("b", [2]), ("b", [3]), ("a", [3])]
+    for name in ("a", "b"):
+        timed, token_ids, counters, shapes = served[name]
+        assert token_ids == [[1, 0], [2, 0], [3, 0]] and counters == SpecCounters(0, 0, 0, ()) and shapes is None
+        assert timed.seconds > 0 and timed.stages is None
 
 
 def test_short_prompts_are_the_heldout_snippets():

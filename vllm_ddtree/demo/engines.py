@@ -1,9 +1,11 @@
 """Several vLLM engines alive at once, timed round-robin on the same work (the benchmark and demo harness).
 
 Interleaving. All variants' engines are started first; then each round times every variant once on the
-same work (`run_round`), in an order rotated by one place per round, so that a drift of the machine's
-speed (a shared VM) hits every variant alike and ratios can be taken inside a round
-(`vllm_ddtree.demo.stats`).
+same work (`run_round`), call by call: each `LLM.generate` call of the work (one batch) is served by
+every engine in turn, in an order rotated by one place per call and per round, so that a drift of the
+machine's speed (a shared VM) hits every variant alike and ratios can be taken inside a round
+(`vllm_ddtree.demo.stats`). (Timing whole passes one engine after another instead, two identical
+engines without speculation differed by up to 37% in a short cell, every round the same way.)
 
 Processes. In-process vLLM engines cannot coexist (shutting one down tears down the others' process
 groups), so every `LLM` here runs vLLM's V1 multiprocessing engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1):
@@ -312,25 +314,10 @@ class Engine:
     def state(self) -> tuple[dict[str, float] | None, dict[str, int] | None]:
         return self.llm.collective_rpc(runner_state)[0]
 
-    def run(self, work: Work) -> TimedRun:
-        """Serve `work` with max_tokens 1 (its prefill steps), then `work` itself."""
-        prefill, _, _, _ = self._serve(replace(work, max_tokens=1))
-        timed, token_ids, counters, shape_steps = self._serve(work)
-        return TimedRun(timed.seconds, token_ids, counters, timed.stages, shape_steps, prefill)
-
-    def _serve(self, work: Work) -> tuple[Pass, list[list[int]], SpecCounters, dict[str, int] | None]:
-        """One pass, timing only the `LLM.generate` calls; runner state and counters are read around it."""
-        stages_before, shapes_before = self.state()
-        counters_before = self.recorder.counters()
-        seconds, token_ids = 0.0, []
-        for prompts, sampling in work.calls():
-            start = time.perf_counter()
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-            seconds += time.perf_counter() - start
-            token_ids += [list(o.outputs[0].token_ids) for o in outputs]
-        stages_after, shapes_after = self.state()
-        counters = self.recorder.counters() - counters_before
-        return Pass(seconds, _difference(stages_after, stages_before)), token_ids, counters, _difference(shapes_after, shapes_before)
+    def snapshot(self) -> tuple[dict[str, float] | None, dict[str, int] | None, SpecCounters]:
+        """Runner stage times, policy step counts and spec-decode counters so far."""
+        stages, shapes = self.state()
+        return stages, shapes, self.recorder.counters()
 
     def shutdown(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
@@ -361,8 +348,43 @@ def rotated(items: Sequence[T], shift: int) -> list[T]:
 
 
 def run_round(engines: Sequence[Engine], work: Work, shift: int) -> dict[str, TimedRun]:
-    """One round: every engine serves `work` once, in the engines' order rotated by `shift`."""
-    return {engine.name: engine.run(work) for engine in rotated(engines, shift)}
+    """One round: every engine serves `work` with max_tokens 1 (its prefill steps), then `work` itself,
+    both interleaved call by call (`serve_interleaved`)."""
+    prefill = serve_interleaved(engines, replace(work, max_tokens=1), shift)
+    timed = serve_interleaved(engines, work, shift)
+    return {
+        name: TimedRun(served.seconds, token_ids, counters, served.stages, shape_steps, prefill[name][0])
+        for name, (served, token_ids, counters, shape_steps) in timed.items()
+    }
+
+
+def serve_interleaved(
+    engines: Sequence[Engine], work: Work, shift: int
+) -> dict[str, tuple[Pass, list[list[int]], SpecCounters, dict[str, int] | None]]:
+    """Every engine serves `work` once: call k of the work by every engine in turn, in the engines' order
+    rotated by `shift` + k, timing only the `LLM.generate` calls. Per engine: its pass (seconds, stage
+    times), every prompt's output tokens, its spec-decode counters and its policy's steps per shape
+    (read before and after the pass; an idle engine's counters do not move)."""
+    before = {engine.name: engine.snapshot() for engine in engines}
+    seconds = dict.fromkeys(before, 0.0)
+    token_ids: dict[str, list[list[int]]] = {name: [] for name in before}
+    for index, (prompts, sampling) in enumerate(work.calls()):
+        for engine in rotated(engines, shift + index):
+            start = time.perf_counter()
+            outputs = engine.llm.generate(prompts, sampling, use_tqdm=False)
+            seconds[engine.name] += time.perf_counter() - start
+            token_ids[engine.name] += [list(o.outputs[0].token_ids) for o in outputs]
+    served = {}
+    for engine in engines:
+        stages_before, shapes_before, counters_before = before[engine.name]
+        stages_after, shapes_after, counters_after = engine.snapshot()
+        served[engine.name] = (
+            Pass(seconds[engine.name], _difference(stages_after, stages_before)),
+            token_ids[engine.name],
+            counters_after - counters_before,
+            _difference(shapes_after, shapes_before),
+        )
+    return served
 
 
 def shutdown_all(engines: Sequence[Engine]) -> None:
