@@ -6,9 +6,9 @@ largest budget tokens (1856 by default), so that prompt, output and the trees fi
 positions (`prompt_tokens`). The pair was trained on 512-token sequences: in 2k cells it is far outside
 its range and accepts few drafts (measured: 1.07 tokens per step for the chain at batch 1, T = 0). Every
 cell serves the same `--prompts` prompts, `batch` per `LLM.generate` call (batch 1: one call per
-prompt), `--max-tokens` new tokens each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i, or unseeded
-with `--unseeded` (as most users send requests: DDTree's steps without drafts are then drawn by vLLM's
-own sampler, seeded requests' by DDTree's exact rule, keyed by position).
+prompt), `--max-tokens` new tokens each (ignore_eos); at T > 0 prompt i is seeded with 1000 + i, or
+unseeded with `--unseeded` (as most users send requests: DDTree's steps without drafts are then drawn
+by vLLM's own sampler, seeded requests' by DDTree's exact rule, keyed by position).
 
 Variants (`summary.build_variants`): no speculation; vLLM's DFlash chain (num_speculative_tokens =
 block_size - 1; T = 0 only, since vLLM's CPU rejection sampler is biased at T > 0); DDTree of width 1
