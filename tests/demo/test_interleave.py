@@ -32,11 +32,10 @@ def test_every_call_of_a_pass_is_served_by_every_engine_in_a_rotating_order():
             log.append((self.name, [p["prompt_token_ids"][0] for p in prompts]))
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[p["prompt_token_ids"][0], 0])]) for p in prompts]
 
-    engines = []
-    for name in ("a", "b"):
-        engine = Engine(name, FakeLLM(name), SpecRecorder())
-        engine.state = lambda: (None, None)
-        engines.append(engine)
+        def collective_rpc(self, method):
+            return [(None, None)]  # a runner without stage times or policy
+
+    engines = [Engine(name, FakeLLM(name), SpecRecorder()) for name in ("a", "b")]
     served = serve_interleaved(engines, Work(((1,), (2,), (3,)), 1, 0.0, 2), shift=1)
     assert log == [("b", [1]), ("a", [1]), ("a", [2]), ("b", [2]), ("b", [3]), ("a", [3])]
     for name in ("a", "b"):

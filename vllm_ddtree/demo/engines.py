@@ -311,12 +311,9 @@ class Engine:
         llm.llm_engine.logger_manager.stat_loggers.append(recorder)
         return cls(name, llm, recorder)
 
-    def state(self) -> tuple[dict[str, float] | None, dict[str, int] | None]:
-        return self.llm.collective_rpc(runner_state)[0]
-
     def snapshot(self) -> tuple[dict[str, float] | None, dict[str, int] | None, SpecCounters]:
-        """Runner stage times, policy step counts and spec-decode counters so far."""
-        stages, shapes = self.state()
+        """Runner stage times, policy step counts (`runner_state`) and spec-decode counters so far."""
+        stages, shapes = self.llm.collective_rpc(runner_state)[0]
         return stages, shapes, self.recorder.counters()
 
     def shutdown(self) -> None:
