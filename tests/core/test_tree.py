@@ -149,6 +149,22 @@ def test_host_builder_equals_the_device_builder(table, budget):
     assert host.max_depth == device.max_depth
 
 
+@given(st.one_of(draft_tables(), draft_tables(max_depth=16, max_topk=1)), st.integers(1, 40))
+def test_host_and_torch_chains_are_the_same_trees(table, budget):
+    """One candidate per depth: the numpy chain (host tensors) and the torch one (device tensors) give
+    identical trees, dtypes included (-inf cuts included: `draft_tables` draws them)."""
+    from vllm_ddtree.core.tree import _chain_on_host, _chain_tree
+
+    roots, logprobs, token_ids = table
+    root = roots.view(-1, 1).long()
+    host = _chain_on_host(root, logprobs[:, :, 0], token_ids[:, :, 0], budget)
+    device = _chain_tree(root, logprobs[:, :, 0], token_ids[:, :, 0], budget)
+    for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
+        a, b = getattr(host, name), getattr(device, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert host.max_depth == device.max_depth
+
+
 @given(draft_tables(), st.integers(1, 40))
 def test_heap_numpy_and_torch_builders_build_the_same_trees(table, budget):
     """The three implementations behind `build_draft_trees` (small host batches, host batches, device

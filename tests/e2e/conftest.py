@@ -60,9 +60,12 @@ class VerifiedRequests:
 
 
 def verified_requests(step: Any) -> VerifiedRequests | None:
-    """The drafted requests of a sampled `TreeStep`, or None when no request verified drafts."""
+    """The drafted requests of a sampled `TreeStep`, or None when no request verified drafts (None for a
+    plain step, which has no `TreeStep`)."""
     from vllm_ddtree.core import DraftTree, TreeAcceptance
 
+    if step is None:
+        return None
     keep = step.drafted
     if not bool(keep.any()):
         return None

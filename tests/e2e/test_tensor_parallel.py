@@ -23,7 +23,11 @@ def _install_recorder(worker: Any) -> None:
     def recording_sample(*args: Any, **kwargs: Any) -> Any:
         out = sample(*args, **kwargs)
         step = runner.step
-        # a step drawn by vLLM's sampler (no drafts, `plain_sampler_serves`) has no walk: its tokens alone
+        # a step drawn by vLLM's sampler (no drafts, `plain_sampler_serves`) has no walk: its tokens alone;
+        # a plain step (runner module docstring) has no `TreeStep` either
+        if step is None:
+            runner.recorded_steps.append((None, None, out.sampled_token_ids.tolist(), None))
+            return out
         accepted = None if step.acceptance is None else step.acceptance.accepted_nodes.tolist()
         runner.recorded_steps.append(
             (step.tree.token_ids.tolist(), step.tree.parents.tolist(), out.sampled_token_ids.tolist(), accepted)

@@ -102,32 +102,22 @@ def _check_no_draft_spec_metadata(runner) -> list[bool]:
 
 
 def _check_context_layouts(runner) -> list[bool]:
-    """Per off step that verified no drafts: whether the context positions and KV slots it deferred
-    (the target's own) equal the layout `set_inputs_first_pass` computes for the same rows (the full
-    draft pass's, run here for comparison only). The deferred rows are read before a store pass can
-    take them (the fixture raises DEFERRED_ROWS)."""
+    """Per step that deferred its context (a step without drafts followed by none): whether the rows it
+    deferred sit where DFlash's first pass would store a step without drafts' context
+    (`set_inputs_first_pass`: the target's positions, the draft KV cache group's slot mapping), read
+    before a store pass can take them (the fixture raises DEFERRED_ROWS)."""
     results = []
     drafter = runner.drafter
-    propose = runner.propose_draft_token_ids
+    defer = drafter.defer_context
 
-    def checking_propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
-                         aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings):
-        deferred = len(drafter._deferred)
-        drafts = propose(scheduler_output, sampled_token_ids, sampling_metadata, hidden_states, sample_hidden_states,
-                         aux_hidden_states, spec_decode_metadata, common_attn_metadata, slot_mappings)
-        if len(drafter._deferred) > deferred:
-            states, positions, slots = drafter._deferred[-1]
-            n = positions.shape[0]
-            drafter.set_inputs_first_pass(
-                target_token_ids=runner.input_ids.gpu[:n], next_token_ids=sampled_token_ids[:, 0],
-                target_positions=runner.positions[:n], target_hidden_states=states,
-                token_indices_to_sample=None, cad=common_attn_metadata, num_rejected_tokens_gpu=None,
-            )
-            results.append(bool(torch.equal(positions, drafter._context_positions_buffer[:n])
-                                and torch.equal(slots, drafter._context_slot_mapping_buffer[:n])))
-        return drafts
+    def checking_defer(states, positions, slots):
+        n = positions.shape[0]
+        draft_slots = runner.input_batch.block_table[drafter.kv_cache_gid].slot_mapping.gpu[:n]
+        results.append(states.shape[0] == n and bool(torch.equal(positions, runner.positions[:n]))
+                       and bool(torch.equal(slots, draft_slots)))
+        defer(states, positions, slots)
 
-    runner.propose_draft_token_ids = checking_propose
+    drafter.defer_context = checking_defer
     return results
 
 

@@ -91,7 +91,8 @@ def _accept_batched(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_ma
 
 def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_mask: torch.Tensor | None) -> TreeAcceptance:
     """`_accept_batched` step for step in numpy, for host tensors (numpy's per-op cost is a fraction of
-    torch's on arrays this small); the same acceptance, dtypes included. Without the ancestor mask a
+    torch's on arrays this small); the same acceptance, dtypes included. A batch of chains takes
+    `_accept_chains_on_host`. Otherwise, without the ancestor mask a
     node's acceptance (it and all its ancestors match) is found by pointer doubling: after k rounds
     `accepted` covers each node's 2^k nearest path nodes, and `up` points 2^k parent steps up (the root
     points to itself), so ceil(log2(max_depth)) rounds cover every path (the root always matches)."""
@@ -100,6 +101,9 @@ def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_ma
     num_req, num_nodes = tokens.shape
     path_len = max_path_length(tree)
     rows = np.arange(num_req)
+    index = np.arange(num_nodes)
+    if ancestor_mask is None and bool(((parents == index - 1) | ~valid).all()):  # chains: the commonest trees
+        return _accept_chains_on_host(tokens, target, valid, path_len)
     matches = valid & ((tokens == np.take_along_axis(target, np.maximum(parents, 0), 1)) | (parents < 0))
     if ancestor_mask is not None:
         accepted = valid & ~(ancestor_mask.numpy() & ~matches[:, None, :]).any(2)
@@ -120,4 +124,24 @@ def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_ma
     output[rows, num_accepted - 1] = bonus
     return TreeAcceptance(
         torch.from_numpy(accepted_nodes), torch.from_numpy(num_accepted.astype(np.int64)), torch.from_numpy(output), torch.from_numpy(bonus)
+    )
+
+
+def _accept_chains_on_host(tokens: np.ndarray, target: np.ndarray, valid: np.ndarray, path_len: int) -> TreeAcceptance:
+    """`_accept_on_host` for a batch of chains (node i's parent is node i - 1): the walk accepts the
+    longest run of nodes 1, 2, ... whose token is the target's at the node before, and node k of the
+    path is node k of the chain."""
+    rows = np.arange(tokens.shape[0])
+    index = np.arange(path_len)
+    matches = valid[:, 1:path_len] & (tokens[:, 1:path_len] == target[:, : path_len - 1])
+    drafted = np.logical_and.accumulate(matches, axis=1).sum(1).astype(np.int64)  # accepted draft nodes
+    bonus = target[rows, drafted]
+    output = np.full((tokens.shape[0], path_len), -1, dtype=tokens.dtype)
+    output[:, :-1] = np.where(index[1:] <= drafted[:, None], tokens[:, 1:path_len], -1)
+    output[rows, drafted] = bonus
+    return TreeAcceptance(
+        torch.from_numpy(np.where(index <= drafted[:, None], index, -1)),
+        torch.from_numpy(drafted + 1),
+        torch.from_numpy(output),
+        torch.from_numpy(bonus),
     )

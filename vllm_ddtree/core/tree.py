@@ -22,7 +22,8 @@ top-k gives each new layer in key order, and one last top-k over all layers pick
 tensors run the same steps in numpy (`_build_on_host`: numpy's per-op cost is a fraction of torch's on
 arrays of a few hundred entries), or, for at most HEAP_BUILD_NODES nodes in all, a lazy best-first
 search with a heap per request (`_build_by_heap`: batch 1 at 32 nodes, 50 us against numpy's 90);
-device tensors in torch (`_build_batched`). All give the same trees.
+device tensors in torch (`_build_batched`). All give the same trees. One candidate per depth is the
+draft's chain, cut at the budget and the first -inf (`_chain_on_host`, `_chain_tree`).
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def build_draft_trees(
         return DraftTree(root.expand_as(zeros).clone(), zeros - 1, zeros, zeros.clone(), valid, valid.sum(1), max_depth)
 
     topk = min(topk, budget)
+    if topk == 1 and device.type == "cpu":
+        return _chain_on_host(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
     if topk == 1:
         return _chain_tree(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
     if device.type == "cpu" and num_req * budget <= HEAP_BUILD_NODES:
@@ -331,6 +334,29 @@ def _chain_tree(root: torch.Tensor, logprobs: torch.Tensor, token_ids: torch.Ten
         ranks=zeros,
         valid=valid,
         num_nodes=valid.sum(1),
+        max_depth=max_depth,
+    )
+
+
+def _chain_on_host(root: torch.Tensor, logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
+    """`_chain_tree` in numpy, for host tensors: the same tree, dtypes included."""
+    num_req, max_depth = logprobs.shape
+    depth = min(budget, max_depth)
+    reachable = np.logical_and.accumulate(logprobs[:, :depth].numpy() > -np.inf, axis=1)
+    valid = np.zeros((num_req, budget + 1), dtype=bool)
+    valid[:, 0] = True
+    valid[:, 1 : depth + 1] = reachable
+    roots = root.numpy().astype(np.int64)
+    tokens = np.repeat(roots, budget + 1, axis=1)
+    tokens[:, 1 : depth + 1] = np.where(reachable, token_ids[:, :depth].numpy(), roots)
+    index = np.arange(budget + 1)
+    return DraftTree(
+        token_ids=torch.from_numpy(tokens),
+        parents=torch.from_numpy(np.where(valid, index - 1, -1)),
+        depths=torch.from_numpy(np.where(valid, index, 0)),
+        ranks=torch.from_numpy(np.zeros((num_req, budget + 1), dtype=np.int64)),
+        valid=torch.from_numpy(valid),
+        num_nodes=torch.from_numpy(valid.sum(1)),
         max_depth=max_depth,
     )
 

@@ -100,10 +100,15 @@ class DDTreeConfig:
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DDTreeConfig | None:
         """The DDTree settings of an engine, or None when it does not run method 'ddtree'."""
-        extra = vllm_config.additional_config
-        if not isinstance(extra, dict) or ADDITIONAL_CONFIG_KEY not in extra:
+        if not runs_ddtree(vllm_config):
             return None
-        return cls(**extra[ADDITIONAL_CONFIG_KEY])
+        return cls(**vllm_config.additional_config[ADDITIONAL_CONFIG_KEY])
+
+
+def runs_ddtree(vllm_config: Any) -> bool:
+    """Whether an engine runs method 'ddtree' (a dict lookup: the patched scheduler hooks ask every step)."""
+    extra = vllm_config.additional_config
+    return isinstance(extra, dict) and ADDITIONAL_CONFIG_KEY in extra
 
 
 _SPEC_FLAGS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))

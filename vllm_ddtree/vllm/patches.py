@@ -13,11 +13,11 @@ from contextvars import ContextVar
 from typing import Any
 
 from vllm_ddtree.vllm.config import (
-    DDTreeConfig,
     check_engine_config,
     is_ddtree_request,
     log_rewrite,
     rewrite_engine_args,
+    runs_ddtree,
 )
 from vllm_ddtree.vllm.patching import Patch, apply_patch, is_patched
 from vllm_ddtree.vllm.support import check_request
@@ -46,7 +46,7 @@ def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        ddtree = isinstance(params, SamplingParams) and DDTreeConfig.from_vllm_config(self.vllm_config) is not None
+        ddtree = isinstance(params, SamplingParams) and runs_ddtree(self.vllm_config)
         admitting = _ADMITTING_FOR_DDTREE.set(ddtree)
         try:
             result = original(self, params, *args, **kwargs)
@@ -69,15 +69,10 @@ def _validate_spec_decode(original: Callable[..., Any]) -> Callable[..., Any]:
     return validate_spec_decode
 
 
-def _runs_ddtree(owner: Any) -> bool:
-    """Whether a vLLM object holding `vllm_config` belongs to a method 'ddtree' engine."""
-    return DDTreeConfig.from_vllm_config(owner.vllm_config) is not None
-
-
 def _get_grammar_bitmask(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_grammar_bitmask(self: Any, scheduler_output: Any) -> Any:
-        if _runs_ddtree(self):
+        if runs_ddtree(self.vllm_config):
             return None  # the runner masks every tree node itself (`node_grammar`)
         return original(self, scheduler_output)
 
@@ -90,7 +85,7 @@ def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         output = original(self, *args, **kwargs)
-        if _runs_ddtree(self):
+        if runs_ddtree(self.vllm_config):
             for new in output.scheduled_new_reqs:
                 structured = self.requests[new.req_id].structured_output_request
                 if structured is not None:
@@ -103,7 +98,7 @@ def _schedule(original: Callable[..., Any]) -> Callable[..., Any]:
 def _validate_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def validate_tokens(self: Any, request: Any, spec_tokens: list[int]) -> list[int]:
-        if _runs_ddtree(self):
+        if runs_ddtree(self.vllm_config):
             return spec_tokens  # a tree's node list, not a chain: the runner masks each node by its path
         return original(self, request, spec_tokens)
 

@@ -5,6 +5,14 @@ masks (`_build_attention_metadata`, the platform's attention) -> sample every no
 (`_sample`) -> compact the accepted nodes' KV -> put the drafter's context in path order and draft the
 next trees (`propose_draft_token_ids`). `tree_step.py` states the step object's lifecycle.
 
+A plain step is vLLM's plain decoding step: a step without drafts, after which the budget policy runs
+no speculation, whose batch vLLM's own sampler serves (below). For that step the runner reports no
+speculative config to vLLM's step code (`speculative_config`), so vLLM runs exactly its code without
+speculation (no spec-decode metadata, no drafting path) and none of the tree hooks build anything; the
+runner only keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). The shape of
+the next step's drafts is chosen when a step without drafts starts (`_choose_next_shape`), when a step
+with drafts drafts.
+
 Every token of a step with drafts comes from the core's sampling rule (`vllm_ddtree.core.sampling`),
 tree nodes and the bonus token alike; vLLM's rejection sampler never runs. A step without drafts
 (prefill, a step the budget policy runs without speculation) is plain decoding: vLLM's own sampler
@@ -34,7 +42,15 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-from vllm_ddtree.core import BudgetPolicy, StepClock, accept_tree, accepted_by_shape, compact_rows_, kv_compaction_plan
+from vllm_ddtree.core import (
+    BudgetPolicy,
+    StepClock,
+    TreeShape,
+    accept_tree,
+    accepted_by_shape,
+    compact_rows_,
+    kv_compaction_plan,
+)
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
@@ -80,6 +96,10 @@ class DDTreeRunnerMixin:
     scheduled drafts were not their proposed tree (expected 0).
     """
 
+    _plain_step = False
+    """This step is vLLM's plain decoding step (module docstring). A class default: vLLM's __init__ reads
+    `speculative_config` before ours runs."""
+
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         ddtree = DDTreeConfig.from_vllm_config(vllm_config)
@@ -95,6 +115,8 @@ class DDTreeRunnerMixin:
         self.num_chain_fallbacks = 0
         self._serve_min_p_and_logit_bias()
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
+        self._next_shape_chosen = False  # this step already chose the next step's shape (`_choose_next_shape`)
+        self._step_shape = self.drafter.last_shape  # the shape this step's drafts were drafted for
         self._structured = False  # whether this step's batch has a structured request past its prefill
         self._no_draft_indices: dict[int, tuple[torch.Tensor, ...]] = {}
         """The spec-decode metadata's index tensors of a step without drafts, by batch size."""
@@ -108,6 +130,16 @@ class DDTreeRunnerMixin:
         logitsprocs = self.input_batch.logitsprocs
         built = (MinPLogitsProcessor(self.vllm_config, self.device, False), LogitBiasLogitsProcessor(self.vllm_config, self.device, False))
         self.input_batch.logitsprocs = LogitsProcessors([*logitsprocs.all, *built])
+
+    @property
+    def speculative_config(self) -> Any:
+        """vLLM's speculative config, None during a plain step: vLLM's step code reads it to choose
+        between its paths with and without speculation."""
+        return None if self._plain_step else self._speculative_config
+
+    @speculative_config.setter
+    def speculative_config(self, value: Any) -> None:
+        self._speculative_config = value
 
     def use_budget_policy(self, policy: BudgetPolicy) -> None:
         """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""
@@ -154,20 +186,29 @@ class DDTreeRunnerMixin:
     @override
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self._drafted = False
+        self._plain_step = self._next_shape_chosen = False
+        self._step_shape = self.drafter.last_shape
         self._structured = scheduler_output.has_structured_output_requests
         if _blocks_may_change_hands(scheduler_output):
             self.drafter.store_deferred_context()
         if self.clock is not None:
             scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
-            self.clock.step_started(time.perf_counter(), len(scheduled), self.drafter.last_shape, decode_only)
+            self.clock.step_started(time.perf_counter(), len(scheduled), self._step_shape, decode_only)
         with self.stage_times.stage(STEP):
             return super().execute_model(scheduler_output, *args, **kwargs)
 
     @override
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        with self.stage_times.stage(STEP):
-            output = super().sample_tokens(*args, **kwargs)
+        state = self.execute_model_state if self._plain_step else None
+        try:
+            with self.stage_times.stage(STEP):
+                output = super().sample_tokens(*args, **kwargs)
+                if state is not None:  # vLLM ran no drafting path: keep the step's context for the draft
+                    count = state.scheduler_output.total_num_scheduled_tokens
+                    self._defer_context(count, state.hidden_states, state.aux_hidden_states, self._step_slot_mapping())
+        finally:
+            self._plain_step = False
         self.stage_times.end_step()
         if self.clock is not None:
             self.clock.step_ended(time.perf_counter())
@@ -180,10 +221,29 @@ class DDTreeRunnerMixin:
 
     @override
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        # vLLM's `_update_states` has brought the batch and its sampling metadata up to date
+        self._proposals.drop(scheduler_output.finished_req_ids)
+        self.node_grammars.drop(scheduler_output.finished_req_ids)
+        self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
+        has_drafts = any(scheduler_output.scheduled_spec_decode_tokens.values())
+        if not has_drafts and not self.gdn_groups:  # hybrid targets keep vLLM's speculative layout
+            next_shape = self._choose_next_shape()
+            self._plain_step = next_shape.is_off and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured)
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        if self._plain_step:
+            self._proposals.drop(self.input_batch.req_ids)  # scheduled without drafts: proposed anew
+            self.step = None
+            return result
         with self.stage_times.stage(TREE_BUILD):
             self.step = self._build_step(scheduler_output, num_scheduled_tokens)
         return result
+
+    def _choose_next_shape(self) -> TreeShape:
+        """The shape of the drafts this step drafts for the next one (once per step)."""
+        if not self._next_shape_chosen:
+            self.drafter.choose_shape(self.input_batch.num_reqs)
+            self._next_shape_chosen = True
+        return self.drafter.last_shape
 
     def _build_step(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> TreeStep:
         """Every request's tree (its root alone without drafts), RoPE positions start + depth for the
@@ -195,9 +255,6 @@ class DDTreeRunnerMixin:
             num_drafts[batch.req_id_to_index[req_id]] = len(draft_token_ids)
         root_rows = self.query_start_loc.np[1 : num_reqs + 1] - 1 - num_drafts
         starts = batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs] - 1 - num_drafts
-        self._proposals.drop(scheduler_output.finished_req_ids)
-        self.node_grammars.drop(scheduler_output.finished_req_ids)
-        self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         step = TreeStep.build(batch.req_ids, root_rows, starts, num_drafts, batch.token_ids_cpu, self._proposals)
         if step.num_chain_fallbacks:
             self.num_chain_fallbacks += step.num_chain_fallbacks
@@ -271,8 +328,8 @@ class DDTreeRunnerMixin:
         rank commits the same tokens and reaches the same accepted path (each then compacts its own KV
         shard)."""
         step = self.step
-        assert step is not None and logits is not None
-        if not step.has_drafts and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured):
+        assert logits is not None and (step is not None or self._plain_step)
+        if step is None or (not step.has_drafts and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured)):
             with self.stage_times.stage(ACCEPTANCE):
                 sampled = super()._sample(logits, None).sampled_token_ids
                 sampled = get_tp_group().broadcast(sampled, src=0)  # one token per request on every rank
@@ -371,13 +428,13 @@ class DDTreeRunnerMixin:
         token_ids[slots], values_out[slots], ranks[slots] = gathered.logprob_token_ids, gathered.logprobs, gathered.selected_token_ranks
         return LogprobsTensors(token_ids, values_out, ranks)
 
-    def _clock_sampled(self, step: TreeStep, output: torch.Tensor) -> None:
+    def _clock_sampled(self, step: TreeStep | None, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
         assert self.clock is not None
-        num_reqs = step.tree.num_requests
+        num_reqs = self.input_batch.num_reqs
         discarded = int(self.discard_request_mask.np[:num_reqs].sum())
-        used = self.drafter.last_shape
-        if not step.has_drafts:  # roots alone: one token per request, no draft to accept
+        used = self._step_shape
+        if step is None or not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
         assert step.acceptance is not None
@@ -432,15 +489,12 @@ class DDTreeRunnerMixin:
     ) -> list[list[int]]:
         step = self.step
         assert step is not None
-        if self.drafter.choose_shape(self.input_batch.num_reqs).is_off and not step.has_drafts:
-            # No speculation after a step without drafts: every row is context at its own position and KV
-            # slot; the drafter only keeps it (`DDTreeProposer.defer_context`), nothing else of vLLM's
-            # drafting path runs.
+        if self._choose_next_shape().is_off and not step.has_drafts:
+            # No speculation after a step without drafts (one vLLM's sampler could not serve): every row
+            # is context at its own position and KV slot; the drafter only keeps it, nothing else of
+            # vLLM's drafting path runs.
             count = scheduler_output.total_num_scheduled_tokens
-            states = (torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
-                      if self.use_aux_hidden_state_outputs else hidden_states[:count])
-            self.drafter.defer_context(states, self.positions[:count], common_attn_metadata.slot_mapping[:count])
-            self.drafter.last_trees = None
+            self._defer_context(count, hidden_states, aux_hidden_states, common_attn_metadata.slot_mapping)
             self._drafted = True
             return [[] for _ in range(self.input_batch.num_reqs)]
         if step.has_drafts and aux_hidden_states is not None:
@@ -466,6 +520,16 @@ class DDTreeRunnerMixin:
             self._proposals.add(trees, self.input_batch.req_ids)
         self._drafted = True
         return drafts
+
+    def _defer_context(
+        self, count: int, hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None, slot_mapping: torch.Tensor
+    ) -> None:
+        """Hand the drafter the context rows of a step without drafts followed by none
+        (`DDTreeProposer.defer_context`): the step's `count` rows, each at its own position and KV slot."""
+        states = (torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
+                  if self.use_aux_hidden_state_outputs else hidden_states[:count])
+        self.drafter.defer_context(states, self.positions[:count], slot_mapping[:count])
+        self.drafter.last_trees = None
 
     @override
     def take_draft_token_ids(self) -> DraftTokenIds | None:
