@@ -444,11 +444,14 @@ class DDTreeRunnerMixin:
 
     def _compact_target_kv(self, step: TreeStep) -> None:
         """Fill `step.plan` and move the accepted nodes' K/V to rows start + k in every target layer
-        (the draft's layers are rewritten from the context on the next draft pass)."""
+        (the draft's layers are rewritten from the context on the next draft pass). A batch of chains
+        has no plan: each accepted path is its window's first rows, where its K/V already is."""
         assert step.acceptance is not None and step.node_slots is not None
-        plan = step.plan = kv_compaction_plan(step.acceptance)
         if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
+        if not step.has_branching:
+            return
+        plan = step.plan = kv_compaction_plan(step.acceptance)
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
         # Host plans are read: a step whose accepted paths all sit in place (e.g. chains) moves nothing.

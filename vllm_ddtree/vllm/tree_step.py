@@ -146,7 +146,8 @@ class TreeStep:
       has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
     Filled by the runner:
       node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`; steps with drafts only);
-      target_token_ids [R, N], acceptance, plan: `_sample`.
+      target_token_ids [R, N], acceptance, plan: `_sample` (plan None when every tree is a chain: no
+      K/V moves).
     """
 
     root_rows: torch.Tensor
@@ -183,13 +184,14 @@ class TreeStep:
         offsets = np.arange(width)
         valid = offsets[None, :] < num_nodes[:, None]
         columns = starts[:, None] + np.where(valid, offsets[None, :], 0)
-        tokens = torch.from_numpy(np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64))
+        scheduled = np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64)
         whole = proposals.whole(req_ids, num_nodes) if num_drafts.all() else None
         if whole is not None:
-            step = cls._from_proposed(whole, width, tokens, root_rows, starts, num_drafts)
+            step = cls._from_proposed(whole, width, scheduled, root_rows, starts, num_drafts)
             if step is not None:
                 proposals.drop(req_ids)
                 return step
+        tokens = torch.from_numpy(scheduled)
         chain = torch.arange(-1, width - 1).expand(num_req, width)
         parents, depths, ranks = chain.clone(), (chain + 1).clone(), torch.zeros(num_req, width, dtype=torch.long)
         valid_t = torch.from_numpy(valid)
@@ -218,13 +220,14 @@ class TreeStep:
 
     @classmethod
     def _from_proposed(
-        cls, trees: DraftTree, width: int, tokens: torch.Tensor, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray
+        cls, trees: DraftTree, width: int, tokens: np.ndarray, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray
     ) -> TreeStep | None:
         """The step's trees are the proposed ones (every request drafted and scheduled its whole tree,
         in the drafter's order): its columns up to `width` (the rest are padding), when the scheduled
-        tokens [R, width] are the trees' (else None: `build` verifies the mismatches as chains)."""
+        tokens [R, width] are the trees' (else None: `build` verifies the mismatches as chains). (Checked
+        in numpy: this runs at every step with drafts.)"""
         valid = trees.valid[:, :width]
-        if not bool(((trees.token_ids[:, :width] == tokens) | ~valid).all()):
+        if not ((trees.token_ids.numpy()[:, :width] == tokens) | ~valid.numpy()).all():
             return None
         depths = trees.depths[:, :width]
         tree = DraftTree(
@@ -234,7 +237,7 @@ class TreeStep:
             ranks=trees.ranks[:, :width],
             valid=valid,
             num_nodes=trees.num_nodes,
-            max_depth=int(depths.max()),
+            max_depth=int(depths.numpy().max()),
         )
         return cls._of(tree, root_rows, starts, num_drafts)
 
@@ -292,8 +295,8 @@ class TreeStep:
 
     @functools.cached_property
     def _node_rows(self) -> torch.Tensor:
-        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
-        return self.root_rows.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
+        offsets = np.arange(self.tree.nodes_per_request)
+        return torch.from_numpy(self.root_rows.numpy()[:, None] + np.where(self.tree.valid.numpy(), offsets, 0))
 
     @functools.cached_property
     def has_branching(self) -> bool:
@@ -303,8 +306,8 @@ class TreeStep:
 
     @functools.cached_property
     def _branching(self) -> torch.Tensor:
-        previous = torch.arange(-1, self.tree.nodes_per_request - 1).unsqueeze(0)
-        return ((self.tree.parents != previous) & self.tree.valid).any(1)
+        previous = np.arange(-1, self.tree.nodes_per_request - 1)
+        return torch.from_numpy(((self.tree.parents.numpy() != previous) & self.tree.valid.numpy()).any(1))
 
     def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
@@ -342,12 +345,17 @@ class TreeStep:
 
     def node_logit_rows(self) -> torch.Tensor:
         """[R, N] row of each node's logits in the step's logits, which hold 1 + num_drafts rows per
-        request in batch order (vLLM's spec-decode logits; one row per request without drafts)."""
+        request in batch order (vLLM's spec-decode logits; one row per request without drafts).
+        Computed once per step."""
+        return self._node_logit_rows
+
+    @functools.cached_property
+    def _node_logit_rows(self) -> torch.Tensor:
         if not self.has_drafts:  # roots alone: row r is request r's
             return torch.arange(self.tree.num_requests).unsqueeze(1)
-        first = torch.cumsum(1 + self.num_drafts, 0) - (1 + self.num_drafts)
-        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
-        return first.unsqueeze(1) + torch.where(self.tree.valid, offsets, 0)
+        rows = 1 + self.num_drafts.numpy()
+        offsets = np.arange(self.tree.nodes_per_request)
+        return torch.from_numpy((np.cumsum(rows) - rows)[:, None] + np.where(self.tree.valid.numpy(), offsets, 0))
 
     def draw_positions(self) -> torch.Tensor:
         """[R, N] the sequence position of the token each node draws: root position + depth + 1."""
