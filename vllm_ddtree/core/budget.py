@@ -31,9 +31,10 @@ before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times. Its rivals (the
 neighbours and the references) are measured again in two ways. Re-probes, paid from a credit of
 `reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
-rival whose upper confidence rate (tokens plus half a standard error, which grows as its samples age:
-`SampleSpread`) would win the switch, so an estimate taken on other text, or from two steps at batch 1,
-is not kept for hundreds of steps (off measures nothing else while it holds); else a rival whose timing
+rival whose upper confidence rate (tokens plus 0.75 standard errors, which grow as its samples age:
+`SampleSpread`; the sample variance is shrunk towards a range prior with the weight of 8 steps) would
+win the switch, so an estimate taken on other text, or from a request's first steps at batch 1 (where
+drafts accept fewer tokens than later in its output), is not kept for hundreds of steps (off measures nothing else while it holds); else a rival whose timing
 is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
@@ -350,9 +351,9 @@ class AdaptiveBudget:
     seconds_window: int = 9
     tokens_decay: float = 0.97
     reprobe: float = 0.015
-    confidence: float = 0.5
+    confidence: float = 0.75
     samples_decay: float = 0.99
-    prior_steps: float = 2.0
+    prior_steps: float = 8.0
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     spread: dict[TreeShape, SampleSpread] = field(default_factory=dict)
