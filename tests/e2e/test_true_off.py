@@ -134,7 +134,8 @@ def test_deferred_context_is_stored_before_every_draft_pass(script_runs):
 
 
 def test_off_steps_spec_decode_metadata_equals_vllms(script_runs):
-    """Steps without drafts (prefills, off steps) build vLLM's spec-decode metadata directly."""
+    """Steps without drafts that run vLLM's speculative path (those followed by a draft pass) build
+    vLLM's spec-decode metadata directly."""
     checks = [ok for run in script_runs.values() for ok in run["no_draft_metadata_equal"]]
     assert len(checks) > 20 and all(checks)
 

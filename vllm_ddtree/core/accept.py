@@ -108,13 +108,13 @@ def _accept_on_host(tree: DraftTree, target_token_ids: torch.Tensor, ancestor_ma
     if ancestor_mask is not None:
         accepted = valid & ~(ancestor_mask.numpy() & ~matches[:, None, :]).any(2)
     else:
-        accepted, up, span = matches, np.where(parents < 0, np.arange(num_nodes), parents), 1
+        accepted, up, span = matches, np.where(parents < 0, index, parents), 1
         while span < tree.max_depth:
             accepted = accepted & np.take_along_axis(accepted, up, 1)
             up, span = np.take_along_axis(up, up, 1), 2 * span
     slots = np.full((num_req, path_len + 1), -1, dtype=np.int64)
     # One accepted node per depth; rejected nodes land in the spare last column.
-    slots[rows[:, None], np.where(accepted, depths, path_len)] = np.arange(num_nodes)
+    slots[rows[:, None], np.where(accepted, depths, path_len)] = index
     accepted_nodes = slots[:, :path_len]
     num_accepted = accepted.sum(1)
     bonus = target[rows, accepted_nodes[rows, num_accepted - 1]]

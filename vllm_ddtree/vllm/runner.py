@@ -9,9 +9,9 @@ A plain step is vLLM's plain decoding step: a step without drafts, after which t
 no speculation, whose batch vLLM's own sampler serves (below). For that step the runner reports no
 speculative config to vLLM's step code (`speculative_config`), so vLLM runs exactly its code without
 speculation (no spec-decode metadata, no drafting path) and none of the tree hooks build anything; the
-runner only keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). The shape of
-the next step's drafts is chosen when a step without drafts starts (`_choose_next_shape`), when a step
-with drafts drafts.
+runner only keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). So a step
+without drafts chooses the shape of the next step's drafts when it starts (`_choose_next_shape`); a
+step with drafts chooses it when it drafts.
 
 Every token of a step with drafts comes from the core's sampling rule (`vllm_ddtree.core.sampling`),
 tree nodes and the bonus token alike; vLLM's rejection sampler never runs. A step without drafts
@@ -276,8 +276,9 @@ class DDTreeRunnerMixin:
 
     @override
     def _calc_spec_decode_metadata(self, num_draft_tokens: np.ndarray, cu_num_scheduled_tokens: np.ndarray) -> SpecDecodeMetadata:
-        """vLLM's metadata. A step without drafts (no speculation this step, prefills) samples each
-        request's last scheduled row and nothing else: built directly, the same values and dtypes as
+        """vLLM's metadata. A step without drafts that is no plain step (a prefill or step followed by a
+        draft pass, a batch only the core rule serves) samples each request's last scheduled row and
+        nothing else: built directly, the same values and dtypes as
         vLLM's general computation (`test_off_steps_spec_decode_metadata_equals_vllms`) without its
         gathers and host-to-device copies of index arrays."""
         if num_draft_tokens.any():
