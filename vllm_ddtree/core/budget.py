@@ -31,10 +31,16 @@ before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times. Its rivals (the
 neighbours and the references) are measured again in two ways. Re-probes, paid from a credit of
 `reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
-rival whose upper confidence rate (tokens plus 0.75 standard errors, which grow as its samples age:
-`SampleSpread`; the sample variance is shrunk towards a range prior with the weight of 8 steps) would
-win the switch, so an estimate taken on other text, or from a request's first steps at batch 1 (where
-drafts accept fewer tokens than later in its output), is not kept for hundreds of steps (off measures nothing else while it holds); else a rival whose timing
+rival whose upper confidence rate (tokens plus some standard errors, which grow as its samples age:
+`SampleSpread`) would win the switch, so an estimate taken on other text, or from a request's first
+steps at batch 1 (where drafts accept fewer tokens than later in its output), is not kept for hundreds
+of steps. At batch 1 the doubt is wider (0.75 standard errors, the sample variance shrunk towards a
+range prior with the weight of 8 steps; larger batches: 0.5 and 2): a step there brings one request's
+sample, and its rate is the end-to-end rate; a larger batch's step brings one per request, and its
+rate overstates what speculation gains a batch end to end (requests finish at different steps, the
+batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
+of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
+evidence before it re-probes its way onto speculation (off measures nothing else while it holds); else a rival whose timing
 is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
@@ -352,8 +358,10 @@ class AdaptiveBudget:
     tokens_decay: float = 0.97
     reprobe: float = 0.015
     confidence: float = 0.75
+    batched_confidence: float = 0.5
     samples_decay: float = 0.99
     prior_steps: float = 8.0
+    batched_prior_steps: float = 2.0
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     spread: dict[TreeShape, SampleSpread] = field(default_factory=dict)
@@ -483,19 +491,21 @@ class AdaptiveBudget:
 
     def _doubted(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival whose upper confidence rate beats the held best by the margin a switch needs, by the
-        most (None if none does): `confidence` standard errors (`SampleSpread`) above the larger of its
-        token estimate and the longer-memory mean of its samples (an estimate taken in a dip of the
-        text is doubted sooner). Off is never doubted: its tokens are exact."""
+        most (None if none does): `confidence` standard errors (`SampleSpread`, its prior weighing
+        `prior_steps` steps; `batched_confidence` and `batched_prior_steps` beyond batch 1) above the
+        larger of its token estimate and the longer-memory mean of its samples (an estimate taken in a
+        dip of the text is doubted sooner). Off is never doubted: its tokens are exact."""
         # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
         # no count in a range of width D varies more than (D / 2)^2
         prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
+        confidence, prior_steps = (self.confidence, self.prior_steps) if bucket == 0 else (self.batched_confidence, self.batched_prior_steps)
         doubts = {}
         for i in rivals:
             shape = self.shapes[i]
             if not shape.is_off:
                 spread, tokens = self.spread[shape], self.tokens[shape].mean
-                error = spread.standard_error(prior_variance, self.prior_steps, self.samples_decay, self._observed_steps)
-                upper = max(tokens, spread.recent_mean) + self.confidence * error
+                error = spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps)
+                upper = max(tokens, spread.recent_mean) + confidence * error
                 doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
         rival = max(doubts, key=doubts.get, default=None)
         return rival if rival is not None and doubts[rival] > 1 else None
