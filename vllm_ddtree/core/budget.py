@@ -40,8 +40,8 @@ sample, and its rate is the end-to-end rate; a larger batch's step brings one pe
 rate overstates what speculation gains a batch end to end (requests finish at different steps, the
 batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
 of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
-evidence before it re-probes its way onto speculation (off measures nothing else while it holds); else a rival whose timing
-is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
+evidence before it re-probes its way onto speculation (off measures nothing else while it holds);
+else a rival whose timing is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the

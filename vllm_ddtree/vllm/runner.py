@@ -10,8 +10,8 @@ no speculation, whose batch vLLM's own sampler serves (below). For that step the
 speculative config to vLLM's step code (`speculative_config`), so vLLM runs exactly its code without
 speculation (no spec-decode metadata, no drafting path) and none of the tree hooks build anything; the
 runner only keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). So a step
-without drafts chooses the shape of the next step's drafts when it starts (`_choose_next_shape`); a
-step with drafts chooses it when it drafts.
+that may be plain (no drafts, a batch vLLM's sampler serves) chooses the shape of the next step's
+drafts when it starts (`_choose_next_shape`); every other step chooses it when it drafts.
 
 Every token of a step with drafts comes from the core's sampling rule (`vllm_ddtree.core.sampling`),
 tree nodes and the bonus token alike; vLLM's rejection sampler never runs. A step without drafts
@@ -117,7 +117,7 @@ class DDTreeRunnerMixin:
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
         self._next_shape_chosen = False  # this step already chose the next step's shape (`_choose_next_shape`)
         self._step_shape = self.drafter.last_shape  # the shape this step's drafts were drafted for
-        self._structured = False  # whether this step's batch has a structured request past its prefill
+        self._vllm_samples = False  # this step has no drafts and vLLM's sampler serves its batch
         self._no_draft_indices: dict[int, tuple[torch.Tensor, ...]] = {}
         """The spec-decode metadata's index tensors of a step without drafts, by batch size."""
         if self.drafter.budget_policy is not None:
@@ -188,7 +188,6 @@ class DDTreeRunnerMixin:
         self._drafted = False
         self._plain_step = self._next_shape_chosen = False
         self._step_shape = self.drafter.last_shape
-        self._structured = scheduler_output.has_structured_output_requests
         if _blocks_may_change_hands(scheduler_output):
             self.drafter.store_deferred_context()
         if self.clock is not None:
@@ -226,9 +225,11 @@ class DDTreeRunnerMixin:
         self.node_grammars.drop(scheduler_output.finished_req_ids)
         self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         has_drafts = any(scheduler_output.scheduled_spec_decode_tokens.values())
-        if not has_drafts and not self.gdn_groups:  # hybrid targets keep vLLM's speculative layout
-            next_shape = self._choose_next_shape()
-            self._plain_step = next_shape.is_off and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured)
+        self._vllm_samples = not has_drafts and plain_sampler_serves(
+            self.input_batch.sampling_metadata, scheduler_output.has_structured_output_requests
+        )
+        if self._vllm_samples and not self.gdn_groups:  # hybrid targets keep vLLM's speculative layout
+            self._plain_step = self._choose_next_shape().is_off
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self._plain_step:
             self._proposals.drop(self.input_batch.req_ids)  # scheduled without drafts: proposed anew
@@ -330,7 +331,7 @@ class DDTreeRunnerMixin:
         shard)."""
         step = self.step
         assert logits is not None and (step is not None or self._plain_step)
-        if step is None or (not step.has_drafts and plain_sampler_serves(self.input_batch.sampling_metadata, self._structured)):
+        if self._vllm_samples:  # no drafts (a plain step has no `TreeStep`)
             with self.stage_times.stage(ACCEPTANCE):
                 sampled = super()._sample(logits, None).sampled_token_ids
                 sampled = get_tp_group().broadcast(sampled, src=0)  # one token per request on every rank
