@@ -318,7 +318,10 @@ def test_an_unlucky_early_timing_of_off_does_not_keep_it_out():
 
 def test_a_drop_in_acceptance_takes_the_policy_off_trees_within_a_few_dozen_steps():
     """Greedy code accepts long paths (trees pay), then sampling at T > 0 accepts few: the tree's token
-    estimate must follow within tens of steps (decay 0.97; with 0.99 the tree would hold ~130 steps)."""
+    estimate must follow within tens of steps (decay 0.97; with 0.99 the tree would hold ~130 steps).
+    At batch 1 a shape off has not measured for a while regresses to its longer-memory mean (a dip in
+    the text ends: `expected_tokens`), so after a lasting drop the policy still returns to a tree for a
+    few steps now and then (measured: 84 and 86 of each 100 steps off; 94-98 without the regression)."""
     shapes = candidate_shapes(16, 7)  # off, 4, chain of 7, 8, 16
     policy = AdaptiveBudget(shapes, explore=0.05)
     seconds = {s: 0.01 * (1 + s.budget / 16) for s in shapes}  # a tree of 16 costs twice an off step
@@ -335,8 +338,8 @@ def test_a_drop_in_acceptance_takes_the_policy_off_trees_within_a_few_dozen_step
     greedy = {s: 1.0 + 2.5 * min(1.0, budgets[s] / 8) for s in shapes}  # tree 16: 3.5 tokens in 0.02 s > off
     sampled = {s: 1.0 + 0.5 * min(1.0, budgets[s] / 16) for s in shapes}  # tree 16: 1.5 tokens: off is best
     assert run(greedy, 300)[-50:].count(OFF) < 10
-    after = run(sampled, 200)
-    assert after[100:].count(OFF) >= 85
+    after = run(sampled, 300)
+    assert after[100:200].count(OFF) >= 80 and after[200:].count(OFF) >= 80
 
 
 def test_a_shape_measured_long_ago_is_relearnt_from_its_next_steps():
@@ -426,6 +429,34 @@ def steps_until_off_is_held(policy: AdaptiveBudget, steps: int = 2000) -> int | 
         slow = 2.0 if shape == OFF and step < 50 else 1.0
         policy.observe(16, shape, 0.01 * slow, {shape: rates[shape] * 0.01 * 16})
     return next((i for i in range(len(chosen)) if all(s == OFF for s in chosen[i : i + 50])), None)
+
+
+def steps_until_the_chain_is_held_after_a_dip(policy: AdaptiveBudget, before: int = 200, dip: int = 60, limit: int = 1500) -> int | None:
+    """Batch 1 at measured step costs: the chain is the fastest shape, except during a `dip` of the
+    text (steps where no shape accepts more than 0.2 draft tokens: off is best). Steps after the dip
+    until the policy holds the chain or a tree of 8 again (None: not within `limit`)."""
+    chain = TreeShape(7, 1)
+    seconds = {OFF: 0.0029, TreeShape(4): 0.0068, chain: 0.0061, TreeShape(8): 0.0075, TreeShape(16): 0.0085, TreeShape(32): 0.010}
+    normal = {OFF: 1.0, TreeShape(4): 2.7, chain: 3.4, TreeShape(8): 3.5, TreeShape(16): 3.6, TreeShape(32): 3.7}
+    dipped = {**dict.fromkeys(normal, 1.2), OFF: 1.0}
+    for step in range(before + dip + limit):
+        shape = policy.choose(1)
+        if step >= before + dip and policy.best_shape(1) in (chain, TreeShape(8)):
+            return step - before - dip
+        tokens = dipped if before <= step < before + dip else normal
+        reported = nested_shapes(policy.shapes, shape) + ([chain] if shape.topk is None and shape.budget >= 8 else [])
+        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported})
+    return None
+
+
+def test_a_dip_in_the_text_does_not_keep_the_policy_off_for_hundreds_of_steps():
+    """After a dip (off best for its last steps), the rivals' estimates regress to their longer-memory
+    means as they age (`expected_tokens`): the policy holds a speculative shape again within 100 steps
+    on every seed (measured: 42-92; 54-226 when a rival kept its dip estimate until a re-probe, as the
+    engine traced at batch 1, T=0: off held for 90-200 steps where the chain ran 1.6x faster)."""
+    shapes = candidate_shapes(32, 7)
+    steps = [steps_until_the_chain_is_held_after_a_dip(AdaptiveBudget(shapes, seed=seed)) for seed in range(6)]
+    assert all(n is not None and n <= 100 for n in steps), steps
 
 
 def test_a_timing_taken_while_the_machine_was_slow_is_taken_again():

@@ -12,7 +12,9 @@ batch, so a short window of recent steps serves. Tokens follow the text (a repet
 few; sampling at T > 0 fewer than greedy), so they are decayed means over about thirty steps, decayed by
 engine steps rather than by the shape's own observations: a shape not run for a while (its tokens
 measured on other text) is re-learnt from its next few steps instead of holding a stale estimate that
-a hundred steps of a worse shape would be needed to wash out. Tokens are measured for the shape a step used AND for every
+a hundred steps of a worse shape would be needed to wash out; at batch 1 the estimate of a shape not run
+for a while also regresses to the longer-memory mean of its samples (`expected_tokens`: the text's dips
+end, and off, while it holds, measures nothing else). Tokens are measured for the shape a step used AND for every
 candidate nested in it: a best-first tree of b nodes is the first b nodes of a bigger one, and the walk
 of the bigger tree passes the same nodes with the same target tokens, so the b-node tree would have
 accepted exactly the accepted path's nodes of index <= b (off: none) — paired, noise-free comparisons.
@@ -434,11 +436,28 @@ class AdaptiveBudget:
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
         """Measured tokens per second and request of the batch (ranks the shapes of one bucket), or None
         until the shape has been timed `warmup` times in this bucket (after its untimed first step)."""
-        costs, tokens = self.costs.get((bucket, shape)), self.tokens.get(shape)
+        costs = self.costs.get((bucket, shape))
         seconds = self.seconds(bucket, shape)
-        if costs is None or tokens is None or costs.steps < self.warmup or seconds is None or seconds <= 0:
+        if costs is None or shape not in self.tokens or costs.steps < self.warmup or seconds is None or seconds <= 0:
             return None
-        return tokens.mean / seconds
+        return self.expected_tokens(bucket, shape) / seconds
+
+    def expected_tokens(self, bucket: int, shape: TreeShape) -> float:
+        """Tokens per request a step of `shape` is expected to commit now: the decayed mean of its last
+        steps (the text's stretch it was measured on). At batch 1 a shape not measured for a while is
+        expected to commit what it commits over longer stretches: the estimate regresses to the
+        longer-memory mean of its samples (`SampleSpread.recent_mean`) with the weight its last steps
+        have lost since (`tokens_decay` per engine step). A request's text has dips (traced at batch 1,
+        T=0: the chain 1.9 tokens per step for tens of steps, 3.4 around them); off, measuring nothing
+        else while it holds, would otherwise keep the chain at its dip's estimate until a re-probe
+        (about 200 steps there: the credit pays one chain probe per that many off steps). Larger
+        batches average their requests' dips, and there a step's rate overstates what speculation
+        gains end to end (see `_doubted`), so they keep the decayed mean."""
+        tokens = self.tokens[shape]
+        if bucket != 0:
+            return tokens.mean
+        kept = self.samples_decay ** max(0, self._observed_steps - tokens.last_step)
+        return kept * tokens.mean + (1 - kept) * self.spread[shape].recent_mean
 
     def _pick(self, bucket: int) -> tuple[TreeShape, int]:
         """(shape, steps to hold it)."""
@@ -503,7 +522,7 @@ class AdaptiveBudget:
         for i in rivals:
             shape = self.shapes[i]
             if not shape.is_off:
-                spread, tokens = self.spread[shape], self.tokens[shape].mean
+                spread, tokens = self.spread[shape], self.expected_tokens(bucket, shape)
                 error = spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps)
                 upper = max(tokens, spread.recent_mean) + confidence * error
                 doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
@@ -517,7 +536,7 @@ class AdaptiveBudget:
         at batch 1)."""
         seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
         assert seconds is not None and best_seconds is not None  # both have rates
-        unproductive = seconds - self.tokens[self.shapes[rival]].mean / rates[best]
+        unproductive = seconds - self.expected_tokens(bucket, self.shapes[rival]) / rates[best]
         switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
         return self.probe_hold * max(0.0, seconds - best_seconds, unproductive) + switches
 
