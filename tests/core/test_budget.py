@@ -46,7 +46,8 @@ def test_batch_buckets_are_powers_of_two():
 
 def simulate(policy: AdaptiveBudget, rates: dict[TreeShape, float], steps: int, num_requests: int = 4) -> list[TreeShape]:
     """Run the policy against a fixed throughput per shape and request (tokens/step / seconds/step; at
-    rates near 100, about a token per request and step, as a step commits at least one)."""
+    rates near 100, about a token per request and step, as a step commits at least one). Tests of the
+    climb's mechanics at batch 4 or more set `batched_discount` to 0 (their rates differ by 10%)."""
     chosen = []
     for _ in range(steps):
         shape = policy.choose(num_requests)
@@ -59,7 +60,7 @@ def test_climbs_to_the_fastest_shape_without_trying_far_ones():
     shapes = candidate_shapes(64, 7)  # off, 4, chain of 7, 8, 16, 32, 64
     peak = shapes.index(TreeShape(16))
     rates = {s: 100.0 - 10 * abs(i - peak) for i, s in enumerate(shapes)}
-    policy = AdaptiveBudget(shapes, hold=3, probe_hold=3, warmup=1, explore=0.0, reprobe=0.0)
+    policy = AdaptiveBudget(shapes, hold=3, probe_hold=3, warmup=1, explore=0.0, reprobe=0.0, batched_discount=0.0)
     chosen = simulate(policy, rates, 60)
     assert chosen[0] == TreeShape(8)  # start: the first tree of >= 8 nodes
     assert chosen[3:6] == [TreeShape(0, 1)] * 3  # then off, the reference
@@ -71,7 +72,7 @@ def test_climbs_to_the_fastest_shape_without_trying_far_ones():
 def test_probes_briefly_and_a_new_batch_size_starts_where_an_adjacent_one_stands():
     shapes = candidate_shapes(64, 7)  # off, 4, chain of 7, 8, 16, 32, 64
     rates = {s: 100.0 - 10 * abs(i - 2) for i, s in enumerate(shapes)}  # the chain is fastest
-    policy = AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0, reprobe=0.0)
+    policy = AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0, reprobe=0.0, batched_discount=0.0)
     chosen = simulate(policy, rates, 40, num_requests=16)
     assert chosen[:2] == [TreeShape(8)] * 2 and chosen[6:8] == [TreeShape(7, 1)] * 2  # probes: 2 steps each
     assert chosen[2:6] == [TreeShape(0, 1)] * 4  # off, the reference, is timed over a full hold
@@ -117,7 +118,7 @@ def test_batch_sizes_are_timed_separately_and_share_tokens():
 def test_exploration_is_seeded():
     shapes = candidate_shapes(64, 7)
     rates = {s: float(i) for i, s in enumerate(shapes)}
-    runs = [simulate(AdaptiveBudget(shapes, explore=0.3, seed=5), rates, 200) for _ in range(2)]
+    runs = [simulate(AdaptiveBudget(shapes, explore=0.3, seed=5, batched_discount=0.0), rates, 200) for _ in range(2)]
     assert runs[0] == runs[1]
     assert len(set(runs[0][-120:])) > 1  # exploration does leave the best shape
     assert torch.tensor([s == max(rates, key=rates.get) for s in runs[0][-120:]]).float().mean() > 0.6
@@ -457,6 +458,51 @@ def test_a_dip_in_the_text_does_not_keep_the_policy_off_for_hundreds_of_steps():
     shapes = candidate_shapes(32, 7)
     steps = [steps_until_the_chain_is_held_after_a_dip(AdaptiveBudget(shapes, seed=seed)) for seed in range(6)]
     assert all(n is not None and n <= 100 for n in steps), steps
+
+
+def test_at_large_batches_speculation_must_win_by_more_than_its_per_step_rate():
+    """At 4 or more requests a speculative shape's rate is discounted by `batched_discount` (20%) against
+    off (an offline batch's tail: `AdaptiveBudget._rates`): the chain 15% faster per step than off is
+    not taken at batch 4 or 16, 40% faster is; at 2-3 requests (the tail's own steps) and at batch 1,
+    15% faster is taken."""
+
+    def held(num_requests: int, chain_rate: float) -> TreeShape | None:
+        shapes = candidate_shapes(8, 7)  # off, 4, chain 7, 8
+        rates = {s: 50.0 for s in shapes}
+        rates[OFF], rates[TreeShape(7, 1)] = 100.0, chain_rate
+        policy = AdaptiveBudget(shapes, explore=0.0, reprobe=0.0)
+        simulate(policy, rates, 80, num_requests=num_requests)
+        return policy.best_shape(num_requests)
+
+    for num_requests in (4, 16):
+        assert held(num_requests, 115.0) == OFF
+        assert held(num_requests, 140.0) == TreeShape(7, 1)
+    for num_requests in (1, 2):
+        assert held(num_requests, 115.0) == TreeShape(7, 1)
+
+
+def test_a_bucket_visited_now_and_then_does_not_re_time_its_rivals_on_every_visit():
+    """An offline batch of 16 (64 steps) between stretches of 700 batch-1 steps, off clearly the best at
+    16: timings age by the bucket's own steps, so after its first visits the batch of 16 runs off on
+    every step (re-timed once per RETIME_AFTER_STEPS of its steps, every 8 visits); aged by engine steps,
+    its rivals were re-timed whenever the re-probe credit allowed (measured: 2 probe steps on the 2nd
+    and the 6th visit)."""
+    shapes = candidate_shapes(32, 7)
+    policy = AdaptiveBudget(shapes, explore=0.0)
+    seconds = {1: {s: 0.003 if s.is_off else 0.006 + 0.0001 * s.budget for s in shapes}, 16: {s: 0.005 if s.is_off else 0.016 + 0.0005 * s.budget for s in shapes}}
+    tokens = {s: 1.0 if s.is_off else 3.0 for s in shapes}
+    speculative_steps = []
+    for visit in range(6):
+        for n, steps in ((1, 700), (16, 64)):
+            count = 0
+            for _ in range(steps):
+                shape = policy.choose(n)
+                count += not shape.is_off
+                reported = nested_shapes(shapes, shape) + ([TreeShape(7, 1)] if shape.topk is None and shape.budget >= 8 else [])
+                policy.observe(n, shape, seconds[n][shape], {s: n * tokens[s] for s in reported})
+            if n == 16:
+                speculative_steps.append(count)
+    assert speculative_steps[2:] == [0, 0, 0, 0], speculative_steps
 
 
 def test_a_timing_taken_while_the_machine_was_slow_is_taken_again():

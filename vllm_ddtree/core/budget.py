@@ -43,7 +43,7 @@ rate overstates what speculation gains a batch end to end (requests finish at di
 batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
 of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
 evidence before it re-probes its way onto speculation (off measures nothing else while it holds);
-else a rival whose timing is older than RETIME_AFTER_STEPS steps (the machine drifts). And with probability `explore` (seeded) a
+else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
@@ -54,7 +54,9 @@ Hysteresis: the best shape of a bucket changes only when a rival's rate beats it
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
 the batch's tail) needs stronger evidence; the climb still follows the measured leader's unmeasured
-neighbours, so a slope of small gains is walked to its end. The best shape is held for `hold` steps; a shape tried for
+neighbours, so a slope of small gains is walked to its end. At 4 or more requests speculative shapes' rates are discounted by `batched_discount` (20%) against
+off: an offline batch's requests progress unevenly under speculation and leave a tail of steps running
+the slowest few, which no step's rate shows (`_rates`). The best shape is held for `hold` steps; a shape tried for
 timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
 requests finish, must not spend their steps probing).
 """
@@ -78,7 +80,12 @@ window, so a change of speed moves the speed within two steps, before it can mov
 cost (whose window holds more values)."""
 
 RETIME_AFTER_STEPS = 512
-"""Timings older than this many engine steps are re-taken (the machine's speed drifts)."""
+"""Timings older than this many steps of their batch-size bucket are re-taken (the machine's speed
+drifts). Counted in the bucket's own steps, not the engine's: the speed its held shape measures when
+it runs again carries the drift over the time it did not run, and a bucket visited now and then (an
+offline batch of 16 between hundreds of batch-1 steps) would otherwise re-time its rivals on every
+visit: at a large batch a probe of speculation costs the batch a tail (requests progress unevenly),
+traced at 0.36 -> 0.41-0.49 s per 16-request call."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +147,7 @@ class RecentMedian:
     values: deque[float] = field(default_factory=deque)
     steps: int = 0
     last_step: int = 0
-    """The engine step of the last value (how old the estimate is)."""
+    """The step of the last value, in the caller's count (a bucket's steps for costs): how old it is."""
 
     def add(self, value: float, step: int = 0) -> None:
         self.values.append(value)
@@ -364,6 +371,7 @@ class AdaptiveBudget:
     samples_decay: float = 0.99
     prior_steps: float = 8.0
     batched_prior_steps: float = 2.0
+    batched_discount: float = 0.2
     seed: int = 0
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
     spread: dict[TreeShape, SampleSpread] = field(default_factory=dict)
@@ -378,6 +386,7 @@ class AdaptiveBudget:
     _rng: torch.Generator | None = None
     _best: dict[int, int] = field(default_factory=dict)
     _observed_steps: int = 0
+    _bucket_steps: dict[int, int] = field(default_factory=dict)
 
     def choose(self, num_requests: int) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests."""
@@ -400,6 +409,7 @@ class AdaptiveBudget:
             self.credit[bucket] = self.credit.get(bucket, 0.0) + initial + self.reprobe * seconds
         self._untimed_first_steps.add((bucket, used))
         self._observed_steps += 1
+        self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         requests = max(1, num_requests)
         for shape, count in tokens.items():
             self.tokens.setdefault(shape, DecayedMean()).add(count / requests, self.tokens_decay, self._observed_steps)
@@ -418,7 +428,7 @@ class AdaptiveBudget:
         costs = self.costs.setdefault((bucket, used), RecentMedian(self.seconds_window))
         if len(costs.values) == costs.window and costs.mean > 0:  # only a well-measured cost measures the speed
             speed.add(seconds / costs.mean, self._observed_steps)
-        costs.add(seconds / (speed.mean if speed.values else 1.0), self._observed_steps)
+        costs.add(seconds / (speed.mean if speed.values else 1.0), self._bucket_steps.get(bucket, 0))
 
     def seconds(self, bucket: int, shape: TreeShape) -> float | None:
         """A step of `shape` in `bucket` at the machine's speed now (None until timed)."""
@@ -492,13 +502,13 @@ class AdaptiveBudget:
     def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
         timed seconds): the most doubted one (`_doubted`), else the one whose timing is oldest, once
-        older than RETIME_AFTER_STEPS engine steps (the machine's speed drifts; off's tokens are exact,
+        older than RETIME_AFTER_STEPS of the bucket's steps (the machine's speed drifts; off's tokens are exact,
         so only this and `explore` re-time it). The credit is not capped: a timing taken while the
         machine was slow makes its own re-timing look costly."""
         timed = [i for i in rivals if i in rates]
         rival = self._doubted(bucket, rates, best, timed)
         if rival is None:
-            ages = {i: self._observed_steps - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
+            ages = {i: self._bucket_steps.get(bucket, 0) - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
             rival = max(ages, key=ages.get, default=None)
             if rival is None or ages[rival] <= RETIME_AFTER_STEPS:
                 return None
@@ -556,8 +566,18 @@ class AdaptiveBudget:
         return max(1.0, mine.mean / theirs.mean)
 
     def _rates(self, bucket: int) -> dict[int, float]:
-        """Measured rates of this bucket by index in `shapes`."""
-        return {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
+        """Rates of this bucket by index in `shapes`: the measured ones, speculative shapes' discounted by
+        `batched_discount` at 4 or more requests. A batch's requests progress unevenly under
+        speculation, and an offline batch then ends with a tail of steps that run the slowest few
+        requests (measured: the chain at batch 4, T=0, 64 tokens each, ran 20 steps of 4 requests and
+        22 of 1-3, 43% of its time; end to end 0.63x no speculation); continuous batching refills the
+        batch instead. The per-step rate cannot see which, so at large batches speculation must win
+        by more than ties and timing noise before it runs. From 2-3 requests on down the steps run
+        the tail itself, which speculation shortens."""
+        rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
+        if bucket >= 2:
+            rates = {i: rate if self.shapes[i].is_off else rate * (1 - self.batched_discount) for i, rate in rates.items()}
+        return rates
 
     def _start_index(self, bucket: int) -> int:
         """Where an adjacent measured bucket's best shape is; else, when only far batch sizes were
