@@ -21,7 +21,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 
 Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens = B` (so the draft
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
-vLLM's own), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
+vLLM's own) and `disable_eagle_block_drop` (prefix-cache hits keep their trailing block, as plain
+decoding's do: the draft's context K/V there is complete, see `rewrite_engine_args`), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
 `worker_cls` = our worker for the platform and async scheduling off; on CUDA GPUs also the V1 model
 runner (`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs
 the tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
@@ -202,6 +203,12 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         args.attention_backend = GPU_ATTENTION_BACKEND
         args.attention_config.backend = None
         dflash["attention_backend"] = GPU_ATTENTION_BACKEND
+    # vLLM drops the trailing block of every prefix-cache hit for drafters fed by the target's hidden
+    # states: an EAGLE draft's K/V at a position also depends on the next token. DFlash's context K/V at
+    # a position is the target's hidden state there, projected, and ours is stored before any request
+    # can hit its block (`DDTreeProposer.store_deferred_context`), so the block is reused as plain
+    # decoding reuses it (measured: 1920-token prompts at batch 8 recomputed 256 tokens each, not 128).
+    dflash["disable_eagle_block_drop"] = True
     args.speculative_config = dflash
     args.async_scheduling = False
     args.worker_cls = worker_cls
@@ -402,7 +409,9 @@ def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:
     on_gpu = worker_cls == GPU_WORKER_CLS
     logger.info(
         "vllm_ddtree: method 'ddtree' (budget %d, topk cap %s) runs on vLLM's DFlash draft machinery; forced: "
-        "speculative method 'dflash' with num_speculative_tokens=%d, async_scheduling=False, worker_cls=%s%s",
+        "speculative method 'dflash' with num_speculative_tokens=%d and disable_eagle_block_drop=True (prefix-cache "
+        "hits keep their last block: the draft's context there is complete; vLLM warns about this option), "
+        "async_scheduling=False, worker_cls=%s%s",
         ddtree.budget,
         ddtree.topk,
         ddtree.budget,
