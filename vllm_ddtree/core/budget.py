@@ -83,9 +83,9 @@ RETIME_AFTER_STEPS = 512
 """Timings older than this many steps of their batch-size bucket are re-taken (the machine's speed
 drifts). Counted in the bucket's own steps, not the engine's: the speed its held shape measures when
 it runs again carries the drift over the time it did not run, and a bucket visited now and then (an
-offline batch of 16 between hundreds of batch-1 steps) would otherwise re-time its rivals on every
-visit: at a large batch a probe of speculation costs the batch a tail (requests progress unevenly),
-traced at 0.36 -> 0.41-0.49 s per 16-request call."""
+offline batch of 16 between hundreds of batch-1 steps) would otherwise re-time its rivals on most
+visits: at a large batch a probe of speculation costs several off steps and the switches (traced: a
+16-request call 0.36 s without probes, 0.41-0.49 s with)."""
 
 
 @dataclass(frozen=True)
@@ -456,8 +456,8 @@ class AdaptiveBudget:
         """Tokens per request a step of `shape` is expected to commit now: the decayed mean of its last
         steps (the text's stretch it was measured on). At batch 1 a shape not measured for a while is
         expected to commit what it commits over longer stretches: the estimate regresses to the
-        longer-memory mean of its samples (`SampleSpread.recent_mean`) with the weight its last steps
-        have lost since (`tokens_decay` per engine step). A request's text has dips (traced at batch 1,
+        longer-memory mean of its samples (`SampleSpread.recent_mean`) with the weight that memory's own
+        decay (`samples_decay` per engine step) has taken from its last steps since. A request's text has dips (traced at batch 1,
         T=0: the chain 1.9 tokens per step for tens of steps, 3.4 around them); off, measuring nothing
         else while it holds, would otherwise keep the chain at its dip's estimate until a re-probe
         (about 200 steps there: the credit pays one chain probe per that many off steps). Larger

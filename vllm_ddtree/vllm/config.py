@@ -22,10 +22,11 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens = B` (so the draft
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
 vLLM's own) and `disable_eagle_block_drop` (prefix-cache hits keep their trailing block, as plain
-decoding's do: the draft's context K/V there is complete, see `rewrite_engine_args`), plus `additional_config["ddtree"]` (which selects the tree path in our worker),
-`worker_cls` = our worker for the platform and async scheduling off; on CUDA GPUs also the V1 model
-runner (`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs
-the tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
+decoding's do: the draft's context K/V there is complete, see `rewrite_engine_args`), plus
+`additional_config["ddtree"]` (which selects the tree path in our worker), `worker_cls` = our worker
+for the platform and async scheduling off; on CUDA GPUs also the V1 model runner
+(`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs the
+tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
 Refused with a message: platforms other than CPU and CUDA, another GPU attention backend, the V2 model runner,
 async scheduling, another worker_cls, a quantized KV cache, pipeline parallelism > 1 (vLLM's DFlash
 itself fails under it on the V1 runner), Ray executors (vLLM's CPU platform refuses Ray), a budget
