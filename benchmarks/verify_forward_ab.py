@@ -37,6 +37,9 @@ class Alternate:
     def observe(self, num_requests: int, used: Any, seconds: float | None, tokens: dict) -> None:
         pass
 
+    def requests_arrived(self, num_requests: int) -> None:
+        pass
+
 
 @dataclass
 class ForwardTimes:

@@ -24,3 +24,6 @@ class ScriptedBudget:
 
     def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
         self.observed += 1
+
+    def requests_arrived(self, num_requests: int) -> None:
+        pass

@@ -465,6 +465,9 @@ class _RecordingPolicy:
     def observe(self, *args: Any) -> None:
         self.policy.observe(*args)
 
+    def requests_arrived(self, num_requests: int) -> None:
+        self.policy.requests_arrived(num_requests)
+
 
 def test_timing_perturbed_adaptive_policy_changes_no_output(engine, plain, alone):
     """The default adaptive policy, fresh, with a seeded random delay (0-30 ms) added to every step

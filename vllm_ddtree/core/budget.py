@@ -43,7 +43,9 @@ rate overstates what speculation gains a batch end to end (requests finish at di
 batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
 of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
 evidence before it re-probes its way onto speculation (off measures nothing else while it holds);
-else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts). And with probability `explore` (seeded) a
+else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts).
+At batch 1 a new request is new text: its first doubted rival is re-measured even when the credit
+cannot pay (`requests_arrived`). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
@@ -117,6 +119,9 @@ class BudgetPolicy(Protocol):
     def choose(self, num_requests: int) -> TreeShape: ...
 
     def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None: ...
+
+    def requests_arrived(self, num_requests: int) -> None:
+        """New requests joined the batch, which now holds `num_requests`."""
 
 
 def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
@@ -387,6 +392,7 @@ class AdaptiveBudget:
     _best: dict[int, int] = field(default_factory=dict)
     _observed_steps: int = 0
     _bucket_steps: dict[int, int] = field(default_factory=dict)
+    _new_text: bool = False
 
     def choose(self, num_requests: int) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests."""
@@ -395,6 +401,16 @@ class AdaptiveBudget:
             (self._current, self._hold_now), self._bucket, self._held = self._pick(bucket), bucket, 0
         self._held += 1
         return self._current
+
+    def requests_arrived(self, num_requests: int) -> None:
+        """At batch 1 a new request is new text: its first doubted rival is re-measured even when the
+        re-probe credit cannot pay for it (once per request). Estimates taken on one request's text say
+        little about the next one's (traced at batch 1, T=0: the first request's chain accepted 1.5 tokens
+        per step, the later ones 2.6-3.5; off held for ~200 steps, the credit paying one chain probe per
+        that many). Only doubted rivals are probed: where a rival's samples pin it below the best (the
+        chain at T = 1), a new request costs nothing."""
+        if batch_bucket(num_requests) == 0:
+            self._new_text = True
 
     def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
         """A step of `num_requests` requests verified trees of shape `used` in `seconds` (None: untimed);
@@ -507,6 +523,9 @@ class AdaptiveBudget:
         machine was slow makes its own re-timing look costly."""
         timed = [i for i in rivals if i in rates]
         rival = self._doubted(bucket, rates, best, timed)
+        if rival is not None and bucket == 0 and self._new_text:  # a new request's text (`requests_arrived`)
+            self._new_text = False
+            return rival
         if rival is None:
             ages = {i: self._bucket_steps.get(bucket, 0) - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
             rival = max(ages, key=ages.get, default=None)

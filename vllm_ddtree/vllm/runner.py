@@ -191,6 +191,8 @@ class DDTreeRunnerMixin:
         if _blocks_may_change_hands(scheduler_output):
             self.drafter.store_deferred_context()
         if self.clock is not None:
+            if scheduler_output.scheduled_new_reqs:
+                self.clock.policy.requests_arrived(len(scheduler_output.num_scheduled_tokens))
             scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
             decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
             self.clock.step_started(time.perf_counter(), len(scheduled), self._step_shape, decode_only)
