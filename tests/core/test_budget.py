@@ -356,6 +356,16 @@ def test_a_shape_measured_long_ago_is_relearnt_from_its_next_steps():
     assert fresh.mean == pytest.approx((0.97 * 3.0 + 1.0) / 1.97)
 
 
+BATCH1_SECONDS = {OFF: 0.0029, TreeShape(4): 0.0068, TreeShape(7, 1): 0.0061, TreeShape(8): 0.0075, TreeShape(16): 0.0085, TreeShape(32): 0.010}
+"""Step seconds per shape at batch 1 on the embedded pair (traced in the engine)."""
+
+
+def reported_shapes(shapes: list[TreeShape], shape: TreeShape) -> list[TreeShape]:
+    """The shapes a simulated step of `shape` reports tokens for: the nested ones and, off a tree of 8
+    or more nodes, the chain of 7 (as `accepted_by_shape` reads it off the walk)."""
+    return nested_shapes(shapes, shape) + ([TreeShape(7, 1)] if shape.topk is None and shape.budget >= 8 else [])
+
+
 def steps_until_the_chain_is_held(policy: AdaptiveBudget, dry_steps: int = 100, limit: int = 1500) -> int | None:
     """Batch 1 at measured step costs (off 2.3 ms, chain 5.3): for `dry_steps` no shape accepts a draft
     token (off is best), then the chain accepts 2 per step (3 tokens: 1.3x off's rate). Steps after the
@@ -368,8 +378,7 @@ def steps_until_the_chain_is_held(policy: AdaptiveBudget, dry_steps: int = 100, 
         if step >= dry_steps and policy.best_shape(1) == TreeShape(7, 1):
             return step - dry_steps
         tokens = later if step >= dry_steps else dict.fromkeys(later, 1.0)
-        reported = nested_shapes(shapes, shape) + ([TreeShape(7, 1)] if shape == TreeShape(8) else [])
-        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported})
+        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported_shapes(shapes, shape)})
     return None
 
 
@@ -402,8 +411,7 @@ def steps_until_the_chain_is_held_after_a_slow_start(policy: AdaptiveBudget, slo
         if step >= slow_steps and policy.best_shape(1) == chain:
             return step - slow_steps
         tokens = later if step >= slow_steps else first
-        reported = nested_shapes(policy.shapes, shape) + ([chain] if shape.topk is None and shape.budget >= 8 else [])
-        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported})
+        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported_shapes(policy.shapes, shape)})
     return None
 
 
@@ -437,7 +445,6 @@ def steps_until_the_chain_is_held_after_a_dip(policy: AdaptiveBudget, before: in
     text (steps where no shape accepts more than 0.2 draft tokens: off is best). Steps after the dip
     until the policy holds the chain or a tree of 8 again (None: not within `limit`)."""
     chain = TreeShape(7, 1)
-    seconds = {OFF: 0.0029, TreeShape(4): 0.0068, chain: 0.0061, TreeShape(8): 0.0075, TreeShape(16): 0.0085, TreeShape(32): 0.010}
     normal = {OFF: 1.0, TreeShape(4): 2.7, chain: 3.4, TreeShape(8): 3.5, TreeShape(16): 3.6, TreeShape(32): 3.7}
     dipped = {**dict.fromkeys(normal, 1.2), OFF: 1.0}
     for step in range(before + dip + limit):
@@ -445,8 +452,7 @@ def steps_until_the_chain_is_held_after_a_dip(policy: AdaptiveBudget, before: in
         if step >= before + dip and policy.best_shape(1) in (chain, TreeShape(8)):
             return step - before - dip
         tokens = dipped if before <= step < before + dip else normal
-        reported = nested_shapes(policy.shapes, shape) + ([chain] if shape.topk is None and shape.budget >= 8 else [])
-        policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported})
+        policy.observe(1, shape, BATCH1_SECONDS[shape], {s: tokens[s] for s in reported_shapes(policy.shapes, shape)})
     return None
 
 
@@ -498,8 +504,7 @@ def test_a_bucket_visited_now_and_then_does_not_re_time_its_rivals_on_every_visi
             for _ in range(steps):
                 shape = policy.choose(n)
                 count += not shape.is_off
-                reported = nested_shapes(shapes, shape) + ([TreeShape(7, 1)] if shape.topk is None and shape.budget >= 8 else [])
-                policy.observe(n, shape, seconds[n][shape], {s: n * tokens[s] for s in reported})
+                policy.observe(n, shape, seconds[n][shape], {s: n * tokens[s] for s in reported_shapes(shapes, shape)})
             if n == 16:
                 speculative_steps.append(count)
     assert speculative_steps[2:] == [0, 0, 0, 0], speculative_steps
@@ -511,7 +516,6 @@ def steps_until_speculation_is_held_after_a_hard_first_request(policy: AdaptiveB
     the first request until the policy holds a shape of 7 or more nodes (None: not within 40 requests).
     `announce`: the policy is told of every new request (`requests_arrived`), as the runner does."""
     chain = TreeShape(7, 1)
-    seconds = {OFF: 0.0029, TreeShape(4): 0.0068, chain: 0.0061, TreeShape(8): 0.0075, TreeShape(16): 0.0085, TreeShape(32): 0.010}
     hard = {OFF: 1.0, TreeShape(4): 1.3, chain: 1.4, TreeShape(8): 1.5, TreeShape(16): 1.5, TreeShape(32): 1.5}
     later = {OFF: 1.0, TreeShape(4): 2.7, chain: 3.4, TreeShape(8): 3.5, TreeShape(16): 3.6, TreeShape(32): 3.7}
     step = 0
@@ -523,8 +527,7 @@ def steps_until_speculation_is_held_after_a_hard_first_request(policy: AdaptiveB
             if request >= 1 and policy.best_shape(1) not in (None, OFF, TreeShape(4)):
                 return step - first
             tokens = hard if request == 0 else later
-            reported = nested_shapes(policy.shapes, shape) + ([chain] if shape.topk is None and shape.budget >= 8 else [])
-            policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported})
+            policy.observe(1, shape, BATCH1_SECONDS[shape], {s: tokens[s] for s in reported_shapes(policy.shapes, shape)})
             step += 1
     return None
 
