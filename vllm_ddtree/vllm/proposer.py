@@ -162,12 +162,15 @@ class DDTreeProposer(DFlashProposer):
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
-        logits = self.model.compute_logits(hidden_states)
+        logits = self.model.compute_logits(hidden_states).float()
         with self.stage_times.stage(DRAFT_TOPK):
-            logprobs = logits.float().log_softmax(dim=-1)
-            top = logprobs.topk(min(self._candidates, logprobs.shape[-1]), dim=-1)
-        self._top = (top.values, top.indices)
-        return top.indices[:, 0], None
+            if self._candidates == 1:  # the chain: each depth's first maximal token, its log-prob without a log-softmax
+                best = logits.max(dim=-1, keepdim=True)
+                values, indices = best.values - logits.logsumexp(dim=-1, keepdim=True), best.indices
+            else:
+                values, indices = logits.log_softmax(dim=-1).topk(min(self._candidates, logits.shape[-1]), dim=-1)
+        self._top = (values, indices)
+        return indices[:, 0], None
 
 
 def _rank_zeros(top: torch.Tensor) -> torch.Tensor:
