@@ -565,15 +565,21 @@ class AdaptiveBudget:
         return rival if rival is not None and doubts[rival] > 1 else None
 
     def _probe_cost(self, bucket: int, rates: dict[int, float], best: int, rival: int) -> float:
-        """Seconds a probe of `rival` costs over the held best: per step the larger of its extra seconds
-        (the batch's view) and the seconds its tokens would have taken the best (the rate's view), plus
-        an off step when it switches between speculation and none (into a draft pass and back: measured
-        at batch 1)."""
+        """Seconds a probe of `rival` costs over the held best: per step the seconds its step takes beyond
+        what its tokens would have taken the best (the rate's view), and beyond batch 1 at least its
+        extra seconds (the batch's view: a step's tokens are spread over the batch's requests, its
+        seconds delay all of them), plus an off step when it switches between speculation and none
+        (into a draft pass and back: measured at batch 1). At batch 1 the step's tokens are the one
+        request's, so the rate's view is the whole cost: a chain step of 1.9 tokens in 7.4 ms against
+        off steps of 3.1 ms costs 1.5 ms over them, not the 4.3 ms it takes longer (traced: charged the
+        latter, the credit paid one chain probe per ~250 off steps, and off held whole requests on
+        which the chain, at 2.8 tokens per step, was 15% faster)."""
         seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
         assert seconds is not None and best_seconds is not None  # both have rates
         unproductive = seconds - self.expected_tokens(bucket, self.shapes[rival]) / rates[best]
+        extra = seconds - best_seconds if bucket != 0 else 0.0
         switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
-        return self.probe_hold * max(0.0, seconds - best_seconds, unproductive) + switches
+        return self.probe_hold * max(0.0, extra, unproductive) + switches
 
     def _cost(self, bucket: int, shape: int, best: int) -> float:
         """How many of `best`'s steps one step of `shape` costs in this bucket (at least 1; 1 when either
