@@ -90,6 +90,16 @@ def test_attention_mask_equals_dense_parent_walk(table, budget):
         assert torch.equal(mask[r], ancestor_mask_oracle(tree.parents[r].tolist(), tree.valid[r].tolist()))
 
 
+@given(draft_tables(), st.integers(0, 40))
+def test_attention_mask_of_device_trees_is_the_host_trees_mask(table, budget):
+    """The torch path (device trees, run here on host tensors) builds the mask the numpy path does."""
+    from vllm_ddtree.core.tree import _ancestor_mask_batched
+
+    roots, logprobs, token_ids = table
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    assert torch.equal(_ancestor_mask_batched(tree), tree_attention_mask(tree))
+
+
 def test_budget_zero_gives_root_only():
     logprobs = torch.log_softmax(torch.randn(2, 3, 5), -1).sort(-1, descending=True).values
     tree = build_draft_trees(torch.tensor([3, 4]), logprobs, torch.arange(5).expand(2, 3, 5), 0)
