@@ -113,6 +113,12 @@ def _spec_metrics(llm) -> dict[str, Any]:
     return out
 
 
+def model_runner(llm: Any) -> Any:
+    """The model runner of an engine whose core runs in this process (uniproc executor, no V1
+    multiprocessing), where a test reads or drives it directly."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
 def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -> Run:
     """Build an in-process engine, generate, record, shut it down."""
     from vllm import LLM
@@ -133,7 +139,7 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
     kwargs.update(llm_kwargs)
     llm = LLM(speculative_config=spec, **kwargs)
     steps: list[Any] = []
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     if spec is not None and spec.get("method") == "ddtree":
         record_verified_steps(runner, steps)
     try:

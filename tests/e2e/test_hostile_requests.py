@@ -41,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import KV_CACHE_BYTES
+from tests.e2e.conftest import KV_CACHE_BYTES, model_runner
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, AdaptiveBudget, TreeShape, candidate_shapes
 
@@ -294,13 +294,9 @@ def engine(pair_dirs, plain):
     llm.llm_engine.engine_core.shutdown()
 
 
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-
-
 def _scripted(llm, script: list[TreeShape]) -> ScriptedBudget:
     policy = ScriptedBudget(candidate_shapes(BUDGET, DEPTH), script)
-    _runner(llm).use_budget_policy(policy)
+    model_runner(llm).use_budget_policy(policy)
     return policy
 
 
@@ -312,7 +308,7 @@ def _served(plain: dict) -> dict[str, Probe]:
 def _assert_engine_serves_on(llm, plain: dict) -> None:
     outputs = llm.generate(_texts(), _greedy_batch_params(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain["free"]
-    assert _runner(llm).num_chain_fallbacks == 0
+    assert model_runner(llm).num_chain_fallbacks == 0
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +469,7 @@ def test_timing_perturbed_adaptive_policy_changes_no_output(engine, plain, alone
     """The default adaptive policy, fresh, with a seeded random delay (0-30 ms) added to every step
     inside the time it measures: its shape choices follow the noise, the outputs may not (greedy:
     plain decoding's; seeded: the alone outputs)."""
-    runner = _runner(engine)
+    runner = model_runner(engine)
     recording = _RecordingPolicy(AdaptiveBudget(candidate_shapes(BUDGET, DEPTH)))
     runner.use_budget_policy(recording)
     delays = random.Random(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, Run, prompts, run_engine
+from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, Run, model_runner, prompts, run_engine
 from tests.e2e.hybrid_pairs import build_hybrid_pair
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
@@ -70,7 +70,7 @@ def scripted_shapes_run(target: str, draft: str, script: list[TreeShape], reques
     llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
               kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0,
               speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": BUDGET}, **ENGINE)
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), script))
     try:
         outputs = llm.generate(requests, params, use_tqdm=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, prompts
+from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, model_runner, prompts
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, candidate_shapes
 
@@ -52,7 +52,7 @@ def off_engine(pair_dirs, plain_tokens):
     """A method 'ddtree' engine whose policy never speculates, and the count of vLLM sampler draws
     (built after the plain engine is gone: one in-process engine at a time)."""
     llm = _engine(*pair_dirs["random"])
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), [OFF]))
     draws = []
     forward = runner.sampler.forward

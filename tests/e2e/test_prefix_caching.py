@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.e2e.conftest import model_runner
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, candidate_shapes
 
@@ -39,7 +40,7 @@ def test_a_hit_keeps_the_trailing_block_and_finds_the_drafts_context_of_steps_wi
 
     from vllm_ddtree.demo.engines import context_prompts
 
-    runner = engine.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(engine)
     block_size = engine.llm_engine.vllm_config.cache_config.block_size
     shapes = candidate_shapes(BUDGET, runner.drafter.max_depth)
     chain = next(shape for shape in shapes if shape.is_chain)

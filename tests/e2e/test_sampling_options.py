@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, prompts
+from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, model_runner, prompts
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
 
@@ -62,16 +62,12 @@ def engine(pair_dirs, plain):
     llm.llm_engine.engine_core.shutdown()
 
 
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-
-
 def _generate(llm, script: list[TreeShape], requests, params) -> list[list[int]]:
     policy = ScriptedBudget(candidate_shapes(BUDGET, DEPTH), script)
-    _runner(llm).use_budget_policy(policy)
+    model_runner(llm).use_budget_policy(policy)
     outputs = llm.generate(requests, params, use_tqdm=False)
     assert set(policy.chosen) == set(script)
-    assert _runner(llm).num_chain_fallbacks == 0
+    assert model_runner(llm).num_chain_fallbacks == 0
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

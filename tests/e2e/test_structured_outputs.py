@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN
+from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, model_runner
 
 BUDGET = 16
 MAX_TOKENS = 128
@@ -159,7 +159,7 @@ def served(pair_dirs, request):
                   structured_outputs_config={"backend": request.param, "disable_any_whitespace": True})
         try:
             results[name] = _serve(llm, texts)
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+            runner = model_runner(llm)
             assert getattr(runner, "num_chain_fallbacks", 0) == 0, "the scheduler's drafts were not the proposed trees"
         finally:
             llm.llm_engine.engine_core.shutdown()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, heldout_code_prompts, record_verified_steps
+from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, heldout_code_prompts, model_runner, record_verified_steps
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
 from vllm_ddtree.vllm import proposer
@@ -36,7 +36,7 @@ def script_runs(pair_dirs):
               kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=CHUNK,
               max_num_seqs=16, seed=0,
               speculative_config={"method": "ddtree", "model": draft, "num_speculative_tokens": BUDGET})
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    runner = model_runner(llm)
     steps: list = []
     record_verified_steps(runner, steps)
     draft_heads = []
