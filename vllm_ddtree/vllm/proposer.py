@@ -162,8 +162,9 @@ class DDTreeProposer(DFlashProposer):
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
         """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
-        logits = self.model.compute_logits(hidden_states).float()
+        logits = self.model.compute_logits(hidden_states)
         with self.stage_times.stage(DRAFT_TOPK):
+            logits = logits.float()
             if self._candidates == 1:  # the chain: each depth's first maximal token, its log-prob without a log-softmax
                 best = logits.max(dim=-1, keepdim=True)
                 values, indices = best.values - logits.logsumexp(dim=-1, keepdim=True), best.indices
