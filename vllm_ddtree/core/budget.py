@@ -70,7 +70,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -96,10 +96,11 @@ visits: at a large batch a probe of speculation costs several off steps and the 
 16-request call 0.36 s without probes, 0.41-0.49 s with)."""
 
 
-@dataclass(frozen=True)
-class TreeShape:
+class TreeShape(NamedTuple):
     """budget: tree nodes besides the root (0: no speculation this step); topk: candidates per depth
-    (1: the chain; None: no cap beyond the budget)."""
+    (1: the chain; None: no cap beyond the budget). A named tuple: shapes key every table of the
+    policy, looked up a few hundred times per step, and a tuple's hash is computed in C (a frozen
+    dataclass's in Python)."""
 
     budget: int
     topk: int | None = None
@@ -159,6 +160,8 @@ class RecentMedian:
     steps: int = 0
     last_step: int = 0
     """The step of the last value, in the caller's count (a bucket's steps for costs): how old it is."""
+    _median: float | None = field(default=None, repr=False)
+    """`mean` until the next value (the policy reads it many times per choice)."""
 
     def add(self, value: float, step: int = 0) -> None:
         self.values.append(value)
@@ -166,13 +169,16 @@ class RecentMedian:
             self.values.popleft()
         self.steps += 1
         self.last_step = step
+        self._median = None
 
     @property
     def mean(self) -> float:
         """The median (the name is the one the policy reads from every estimate)."""
-        ordered = sorted(self.values)
-        half = len(ordered) // 2
-        return 0.0 if not ordered else ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        if self._median is None:
+            ordered = sorted(self.values)
+            half = len(ordered) // 2
+            self._median = 0.0 if not ordered else ordered[half] if len(ordered) % 2 else (ordered[half - 1] + ordered[half]) / 2
+        return self._median
 
 
 @dataclass
