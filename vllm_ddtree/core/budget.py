@@ -99,7 +99,7 @@ visits: at a large batch a probe of speculation costs several off steps and the 
 class TreeShape(NamedTuple):
     """budget: tree nodes besides the root (0: no speculation this step); topk: candidates per depth
     (1: the chain; None: no cap beyond the budget). A named tuple: shapes key every table of the
-    policy, looked up a few hundred times per step, and a tuple's hash is computed in C (a frozen
+    policy, hashed some twenty times per step (simulated at batch 1), and a tuple's hash is computed in C (a frozen
     dataclass's in Python)."""
 
     budget: int
