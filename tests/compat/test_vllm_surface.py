@@ -200,3 +200,18 @@ def test_declared_patches_are_applied_and_are_all_of_our_code_in_vllm():
     assert all(is_patched(p.owner, p.name) for p in all_patches())
     assert code_of_ours_in_vllm() == declared
     assert {(m.owner, m.name) for m in vllm_surface() if m.kind == "patch"} == declared
+
+
+def test_cpu_kernel_overrides_register_in_a_process_that_loaded_numba():
+    """vLLM's CPU worker start rebinds its Triton kernels by scanning every module attribute; llvmlite's
+    library wrapper (loaded with numba, our host kernels' compiler) broke that scan. With the plugin's
+    patch the scan runs, and the wrapper is back where it was."""
+    import llvmlite.binding.ffi as ffi
+    from vllm.triton_utils import dispatcher
+
+    from vllm_ddtree.vllm import plugin
+
+    plugin.register()
+    library = ffi.lib
+    dispatcher._rebind_kernels([])
+    assert ffi.lib is library

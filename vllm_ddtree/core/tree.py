@@ -113,10 +113,12 @@ def _layout(budget: int, topk: int, max_depth: int, device: str) -> tuple[torch.
 
 
 def fixed_point_logprobs(top_logprobs: torch.Tensor) -> torch.Tensor:
-    """Log-probs as int64 multiples of 2^-SCORE_BITS nats, floored at MIN_LOGPROB; -inf -> NEG_INF."""
-    floored = top_logprobs.to(torch.float64).clamp(min=MIN_LOGPROB)
+    """Log-probs as int64 multiples of 2^-SCORE_BITS nats, floored at MIN_LOGPROB; -inf (and NaN, no
+    probability either, as in the chain builders) -> NEG_INF."""
+    usable = top_logprobs > float("-inf")
+    floored = torch.where(usable, top_logprobs.to(torch.float64).clamp(min=MIN_LOGPROB), 0.0)
     fixed = torch.round(floored * (1 << SCORE_BITS)).to(torch.long)
-    return torch.where(top_logprobs == float("-inf"), NEG_INF, fixed)
+    return torch.where(usable, fixed, NEG_INF)
 
 
 def build_draft_trees(
@@ -213,11 +215,12 @@ def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     )
 
 
-def _fixed_point_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
+def fixed_point_logprobs_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
     """`fixed_point_logprobs` in numpy, for host tensors."""
     logprobs = top_logprobs.to(torch.float64).numpy()
-    fixed = np.round(np.maximum(logprobs, MIN_LOGPROB) * (1 << SCORE_BITS)).astype(np.int64)
-    fixed[logprobs == -np.inf] = NEG_INF
+    usable = logprobs > -np.inf
+    fixed = np.round(np.where(usable, np.maximum(logprobs, MIN_LOGPROB), 0.0) * (1 << SCORE_BITS)).astype(np.int64)
+    fixed[~usable] = NEG_INF
     return fixed
 
 
@@ -229,7 +232,7 @@ def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     parent_pos, token_rank = (t.numpy() for t in _candidate_pairs(budget, topk, "cpu"))
     num_pairs = parent_pos.size
     tie_breaker, tie, parent_base, depth_flat, final_index = (t.numpy() for t in _layout(budget, topk, max_depth, "cpu"))
-    pair_keys = _fixed_point_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
+    pair_keys = fixed_point_logprobs_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
     floor_key = NEG_INF * num_pairs
     rows = np.arange(num_req)[:, None]
 
@@ -288,7 +291,7 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     depths = [[0] * width for _ in roots]
     ranks = [[0] * width for _ in roots]
     num_nodes = []
-    fixed = _fixed_point_on_host(top_logprobs[:, :, :topk])
+    fixed = fixed_point_logprobs_on_host(top_logprobs[:, :, :topk])
     for r, (scores, tokens) in enumerate(zip(fixed.tolist(), top_token_ids[:, :, :topk].tolist())):
         heap = [(-scores[0][0], 1, 0, 0, 0)] if scores[0][0] != NEG_INF else []  # (-score, depth, parent, rank, parent score)
         built = 1

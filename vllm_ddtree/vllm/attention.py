@@ -36,6 +36,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from vllm_ddtree.vllm.host_tree import tree_windows
 from vllm_ddtree.vllm.paged_kv import block_run, probe_layout
 from vllm_ddtree.vllm.tree_step import TreeRows
 
@@ -85,38 +86,19 @@ class TreeAttention:
         """The masks of a step's branching trees; block_table [num_reqs, max blocks] maps a request's
         positions to cache blocks (position p lives in block block_table[p // block_size], row
         p % block_size)."""
-        # Host-side numpy: a handful of small arrays per step, where torch's per-op cost dominates.
-        starts, num_nodes, valid = rows.starts.numpy(), rows.num_nodes.numpy(), rows.valid.numpy()
-        num_req, width = valid.shape
-        window_blocks = (starts + num_nodes + block_size - 1) // block_size
-        tail_first = starts // block_size  # first window block holding a node
-        # Tail positions of every request, padded to the longest tail: tail_first * block_size + offset.
-        pos = (tail_first * block_size)[:, None] + np.arange(int((window_blocks - tail_first).max()) * block_size)
-        column = pos - starts[:, None]  # node index of a tail position, < 0 in the prefix
-        in_tree = (column >= 0) & (column < num_nodes[:, None])
-        ancestors = rows.ancestor_mask.numpy()[np.arange(num_req)[:, None, None], np.arange(width)[:, None], column.clip(0, width - 1)[:, None]]
-        mask = (column < 0)[:, None] | (ancestors & in_tree[:, None])
-        mask = np.where(valid[:, :, None], mask, mask[:, :1])
-        bias = np.where(mask, np.float32(0), np.float32("-inf"))  # [T, N, tail positions]
-        bias = bias.reshape(num_req, width, -1, block_size).transpose(0, 2, 1, 3)[:, :, None, None]  # [T, K, 1, 1, N, bs]
-        table = block_table.numpy()
-        runs = []
-        for t, (req, blocks, first_tail) in enumerate(np.stack([rows.req_indices.numpy(), window_blocks, tail_first], 1).tolist()):
-            ids = table[req, :blocks]
-            bounds = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), blocks]
-            request_runs = []
-            for lo, hi in zip(bounds[:-1], bounds[1:]):
-                masked = max(0, hi - max(first_tail, lo))  # the run's last blocks that hold nodes
-                end = hi - first_tail
-                request_runs.append(WindowRun(int(ids[lo]), hi - lo, hi - lo - masked, torch.from_numpy(bias[t, end - masked : end])))
-            runs.append(tuple(request_runs))
+        bias, window_runs = tree_windows(
+            rows.ancestor_mask, rows.starts, rows.num_nodes, rows.valid, rows.req_indices, block_table, block_size
+        )
+        runs: list[list[WindowRun]] = [[] for _ in range(bias.shape[0])]
+        for t, first_block, num_blocks, bias_from, lo, hi in window_runs:
+            runs[t].append(WindowRun(first_block, num_blocks, bias_from, torch.from_numpy(bias[t, lo:hi])))
         query_rows = rows.node_rows.numpy().ravel()
-        valid_nodes = np.flatnonzero(valid)
+        valid_nodes = np.flatnonzero(rows.valid.numpy())
         first_row = int(query_rows[0])
         consecutive = bool((query_rows == np.arange(first_row, first_row + query_rows.size)).all())
         return cls(
             query_rows=torch.from_numpy(query_rows),
-            runs=tuple(runs),
+            runs=tuple(map(tuple, runs)),
             valid_nodes=torch.from_numpy(valid_nodes),
             valid_rows=torch.from_numpy(query_rows[valid_nodes]),
             first_row=first_row if consecutive else None,

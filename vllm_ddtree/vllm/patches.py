@@ -8,6 +8,7 @@ DDTree settings, and subclasses of vLLM's runner, proposer and attention classes
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -118,15 +119,60 @@ def _gdn_spec_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return spec_forward
 
 
+def _rebind_kernels(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def rebind_kernels(overrides: Any) -> Any:
+        hidden = _llvmlite_libraries()
+        for namespace, name, _ in hidden:
+            del namespace[name]
+        try:
+            return original(overrides)
+        finally:
+            for namespace, name, value in hidden:
+                namespace[name] = value
+
+    return rebind_kernels
+
+
+def _llvmlite_libraries() -> list[tuple[dict[str, Any], str, Any]]:
+    """Every module attribute holding llvmlite's library wrapper (none unless llvmlite is loaded)."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is None:
+        return []
+    library = ffi._lib_wrapper
+    found = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict):
+            found += [(namespace, name, value) for name, value in list(namespace.items()) if type(value) is library]
+    return found
+
+
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
     from vllm.sampling_params import SamplingParams
+    from vllm.triton_utils import dispatcher
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.input_processor import InputProcessor
     from vllm.v1.structured_output import StructuredOutputManager
 
     return [
+        # Why: on CPU without Triton, every worker's start registers C++ stand-ins for vLLM's Triton
+        # kernels and rebinds every reference to the originals by scanning the attributes of every loaded
+        # module, reading `vars(value)` of each. llvmlite's library wrapper (`llvmlite.binding.ffi.lib`,
+        # loaded with numba, which compiles our host kernels, `host_tree`) answers `__dict__` with a C
+        # function wrapper, and the scan fails: the worker does not start whenever numba was imported
+        # before it in the same process (a second in-process engine; any application that imported
+        # numba). The wrapper hides such objects from the scan (they hold no Triton kernel).
+        # Remove when: vLLM's scan skips attributes whose `__dict__` is not a dict.
+        Patch(
+            owner=dispatcher,
+            name="_rebind_kernels",
+            make=_rebind_kernels,
+            why="start CPU workers in processes that loaded numba (llvmlite's library wrapper breaks vLLM's kernel scan)",
+            remove_when="vLLM's kernel-override scan skips attributes whose __dict__ is not a dict",
+        ),
         # Why: vLLM's CPU GDN layers verify drafts as ONE chain (token t's recurrent state and conv window
         # from token t-1's). For a method 'ddtree' step the runner attaches the trees to the GDN metadata
         # (`gdn.attach_gdn_trees`) and the spec-decode tokens run as trees instead: each node's state from

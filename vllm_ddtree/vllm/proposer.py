@@ -2,10 +2,11 @@
 
 The draft pass is vLLM's `DFlashProposer` unchanged (KV injection of the target's hidden states, one
 non-causal pass over [anchor, MASK x depth]); only the sampling of its logits differs: instead of one
-argmax per position we keep the top-K log-probabilities, and `vllm_ddtree.core.build_draft_trees` turns
-them into one tree per request under the step's node budget. The draft runs depth = min(budget,
-block_size - 1) mask positions: the deepest a tree of that budget can reach, and no more KV lookahead
-than vLLM reserves for DFlash with the same num_speculative_tokens.
+argmax per position we keep the top-K log-probabilities, and `vllm_ddtree.core.build_draft_trees`
+(compiled for the host: `host_tree.build_draft_trees_on_host`) turns them into one tree per request
+under the step's node budget. The draft runs depth = min(budget, block_size - 1) mask positions: the
+deepest a tree of that budget can reach, and no more KV lookahead than vLLM reserves for DFlash with
+the same num_speculative_tokens.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, build_draft_trees, candidate_shapes
+from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
@@ -89,7 +91,7 @@ class DDTreeProposer(DFlashProposer):
             # Trees are built and kept on the host (the scheduler takes them as lists anyway): one copy of
             # the top-k, a no-op on CPU.
             top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1).cpu() for t in self._top)
-            trees = build_draft_trees(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget)
+            trees = build_draft_trees_on_host(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget)
             if self.tree_filter is not None:
                 trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees

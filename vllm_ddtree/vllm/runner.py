@@ -53,6 +53,7 @@ from vllm_ddtree.core import (
 )
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
+from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
@@ -171,6 +172,7 @@ class DDTreeRunnerMixin:
             raise NotImplementedError("method 'ddtree' does not support target models with M-RoPE")
         for layer in self._target_attention_layers():
             self._check_target_attention(layer)
+        host_tree.warm_up()  # compiled now, not in the first steps the budget policy times
 
     @override
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_attention_mask
+from vllm_ddtree.vllm.host_tree import tree_attention_mask_on_host
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,8 @@ class TreeStep:
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
+        if self.tree.parents.device.type == "cpu":
+            return tree_attention_mask_on_host(self.tree)
         return tree_attention_mask(self.tree)
 
     @property

@@ -1,0 +1,94 @@
+"""The compiled host kernels (`vllm_ddtree.vllm.host_tree`) return exactly what their references return:
+the core's tree builder and ancestor mask, and the numpy formula of the verify windows' tree bias."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.core.strategies import draft_tables
+from vllm_ddtree.core import DraftTree, build_draft_trees, tree_attention_mask
+from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host, tree_attention_mask_on_host, tree_windows
+
+FIELDS = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")
+
+
+def assert_same_trees(built: DraftTree, reference: DraftTree) -> None:
+    for name in FIELDS:
+        a, b = getattr(built, name), getattr(reference, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert built.max_depth == reference.max_depth
+
+
+@given(st.one_of(draft_tables(), draft_tables(max_depth=7, max_topk=8, vocab=64), draft_tables(max_depth=16, max_topk=1)), st.integers(0, 48))
+def test_compiled_builder_builds_the_cores_trees(table, budget):
+    roots, logprobs, token_ids = table
+    assert_same_trees(build_draft_trees_on_host(roots, logprobs, token_ids, budget), build_draft_trees(roots, logprobs, token_ids, budget))
+
+
+@given(draft_tables(max_depth=7, max_topk=6), st.integers(1, 40), st.data())
+def test_nan_log_probs_are_no_probability_in_every_builder(table, budget, data):
+    """A NaN log-prob (a broken draft) is -inf to every builder: never built, no crash."""
+    roots, logprobs, token_ids = table
+    nan = torch.tensor(data.draw(st.lists(st.booleans(), min_size=logprobs.numel(), max_size=logprobs.numel()))).view_as(logprobs)
+    with_nan = torch.where(nan, float("nan"), logprobs)
+    reference = build_draft_trees(roots, torch.where(nan, float("-inf"), logprobs), token_ids, budget)
+    assert_same_trees(build_draft_trees_on_host(roots, with_nan, token_ids, budget), reference)
+    assert_same_trees(build_draft_trees(roots, with_nan, token_ids, budget), reference)
+
+
+@given(draft_tables(max_depth=7, max_topk=6), st.integers(1, 40))
+def test_compiled_ancestor_mask_is_the_cores(table, budget):
+    tree = build_draft_trees(*table, budget)
+    mask = tree_attention_mask_on_host(tree)
+    assert mask.dtype == torch.bool and torch.equal(mask, tree_attention_mask(tree))
+
+
+def windows_oracle(ancestor_mask, starts, num_nodes, valid, req_indices, block_table, block_size):
+    """The windows' bias and runs in plain numpy and Python (the formula `tree_windows` states)."""
+    ancestor_mask, starts, num_nodes, valid = (t.numpy() for t in (ancestor_mask, starts, num_nodes, valid))
+    num_req, width = valid.shape
+    window_blocks = (starts + num_nodes + block_size - 1) // block_size
+    tail_first = starts // block_size
+    pos = (tail_first * block_size)[:, None] + np.arange(int((window_blocks - tail_first).max()) * block_size)
+    column = pos - starts[:, None]
+    in_tree = (column >= 0) & (column < num_nodes[:, None])
+    ancestors = ancestor_mask[np.arange(num_req)[:, None, None], np.arange(width)[:, None], column.clip(0, width - 1)[:, None]]
+    mask = (column < 0)[:, None] | (ancestors & in_tree[:, None])
+    mask = np.where(valid[:, :, None], mask, mask[:, :1])
+    bias = np.where(mask, np.float32(0), np.float32("-inf"))
+    bias = bias.reshape(num_req, width, -1, block_size).transpose(0, 2, 1, 3)[:, :, None, None]
+    runs = []
+    for t in range(num_req):
+        ids = block_table.numpy()[int(req_indices[t]), : window_blocks[t]]
+        bounds = [0, *(np.flatnonzero(np.diff(ids) != 1) + 1).tolist(), int(window_blocks[t])]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            masked = max(0, hi - max(int(tail_first[t]), lo))
+            end = hi - int(tail_first[t])
+            runs.append((t, int(ids[lo]), hi - lo, hi - lo - masked, bias[t, end - masked : end] if masked else bias[t, :0]))
+    return bias, runs
+
+
+@given(draft_tables(max_depth=7, max_topk=6), st.integers(1, 24), st.integers(1, 3), st.data())
+def test_compiled_windows_are_the_numpy_formula(table, budget, block_power, data):
+    """Random trees at random positions of random block tables (runs of consecutive blocks broken at
+    random): the same bias, bit for bit, and the same runs."""
+    tree = build_draft_trees(*table, budget)
+    num_req = tree.num_requests
+    block_size = 2**block_power
+    starts = torch.tensor(data.draw(st.lists(st.integers(0, 40), min_size=num_req, max_size=num_req)), dtype=torch.long)
+    max_blocks = (40 + budget + 1) // block_size + 1
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    block_table = torch.stack([torch.randperm(4 * max_blocks, generator=gen)[:max_blocks] for _ in range(num_req + 1)]).to(torch.int32)
+    runs_of_consecutive = torch.arange(4 * max_blocks, dtype=torch.int32)[: max_blocks]
+    block_table[data.draw(st.integers(0, num_req))] = runs_of_consecutive
+    req_indices = torch.tensor(data.draw(st.permutations(range(num_req + 1)))[:num_req], dtype=torch.long)
+    args = (tree_attention_mask(tree), starts, tree.num_nodes, tree.valid, req_indices, block_table, block_size)
+    bias, runs = tree_windows(*args)
+    expected_bias, expected_runs = windows_oracle(*args)
+    assert bias.dtype == np.float32 and np.array_equal(bias, expected_bias)
+    assert [tuple(run[:4]) for run in runs] == [run[:4] for run in expected_runs]
+    for (t, *_, lo, hi), (*_, expected) in zip(runs, expected_runs):
+        assert np.array_equal(bias[t, lo:hi], expected)

@@ -1,0 +1,228 @@
+"""The host's per-step tree work, compiled by numba (a dependency of vLLM): the draft trees, their
+ancestor masks, and the tree-attention bias of the verify windows.
+
+Each function returns exactly what its reference in `vllm_ddtree.core` (or, for the window bias, the
+numpy formula its docstring states) returns, field by field and dtype by dtype; the property tests
+hold them equal. They exist for cost, not for a different rule: at batch 1 the references are dozens of
+small numpy/torch ops each, and every op costs several microseconds once the forward pass has evicted
+the caches, while the work itself is a few hundred integer operations. Trees on a device take the
+core's batched torch ops (no host round trip), so every function here is host-only by contract.
+
+`warm_up()` compiles (or loads from numba's on-disk cache) every kernel; the runner calls it at start so
+that no step pays a compilation (the adaptive policy times steps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees
+
+_HEAP_FIELDS = 5
+"""A heap entry: (-score, depth, parent, rank, parent score); the first four order it (they are unique
+per candidate, so the fifth never breaks a tie)."""
+
+
+@njit(cache=True, nogil=True)
+def _before(heap: np.ndarray, a: int, b: int) -> bool:
+    for field in range(_HEAP_FIELDS - 1):
+        if heap[a, field] != heap[b, field]:
+            return heap[a, field] < heap[b, field]
+    return False
+
+
+@njit(cache=True, nogil=True)
+def _swap(heap: np.ndarray, a: int, b: int) -> None:
+    for field in range(_HEAP_FIELDS):
+        heap[a, field], heap[b, field] = heap[b, field], heap[a, field]
+
+
+@njit(cache=True, nogil=True)
+def _push(heap: np.ndarray, size: int, negative: int, depth: int, parent: int, rank: int, parent_score: int) -> int:
+    heap[size, 0], heap[size, 1], heap[size, 2], heap[size, 3], heap[size, 4] = negative, depth, parent, rank, parent_score
+    child = size
+    while child > 0 and _before(heap, child, (child - 1) // 2):
+        _swap(heap, child, (child - 1) // 2)
+        child = (child - 1) // 2
+    return size + 1
+
+
+@njit(cache=True, nogil=True)
+def _pop(heap: np.ndarray, size: int) -> int:
+    """Drop the first entry (read heap[0] before); returns the new size."""
+    size -= 1
+    _swap(heap, 0, size)
+    node = 0
+    while True:
+        first = node
+        for child in (2 * node + 1, 2 * node + 2):
+            if child < size and _before(heap, child, first):
+                first = child
+        if first == node:
+            return size
+        _swap(heap, node, first)
+        node = first
+
+
+@njit(cache=True, nogil=True)
+def _fixed_point(logprobs: np.ndarray, topk: int) -> np.ndarray:
+    """`core.tree.fixed_point_logprobs` of logprobs[:, :, :topk], float64 (numpy's round and rint both
+    round half to even)."""
+    num_req, max_depth, _ = logprobs.shape
+    scores = np.empty((num_req, max_depth, topk), dtype=np.int64)
+    for r in range(num_req):
+        for d in range(max_depth):
+            for k in range(topk):
+                value = logprobs[r, d, k]
+                usable = value > -np.inf  # NaN is no probability either
+                scores[r, d, k] = np.int64(np.rint(max(value, MIN_LOGPROB) * (1 << SCORE_BITS))) if usable else NEG_INF
+    return scores
+
+
+@njit(cache=True, nogil=True)
+def _best_first(
+    roots: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray, budget: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The core's lazy best-first search (`_build_by_heap`, whose docstring states the order), every
+    request of the batch in one call. logprobs, tokens [R, L, K']: the draft's top-K' log-probs and token
+    ids, of which the first K = min(K', budget) are candidates. Returns fields [4, R, budget + 1] (token
+    ids, parents, depths, ranks), valid [R, budget + 1] and counts [R]."""
+    num_req, max_depth, topk = logprobs.shape
+    topk = min(topk, budget)
+    scores = _fixed_point(logprobs, topk)
+    width = budget + 1
+    fields = np.zeros((4, num_req, width), dtype=np.int64)
+    fields[1] = -1
+    counts = np.empty(num_req, dtype=np.int64)
+    heap = np.empty((width + 1, _HEAP_FIELDS), dtype=np.int64)  # each pop pushes at most two
+    for r in range(num_req):
+        fields[0, r] = roots[r]
+        size = 0
+        if scores[r, 0, 0] != NEG_INF:
+            size = _push(heap, size, -scores[r, 0, 0], 1, 0, 0, 0)
+        built = 1
+        while size > 0 and built < width:
+            negative, depth, parent, rank, parent_score = heap[0, 0], heap[0, 1], heap[0, 2], heap[0, 3], heap[0, 4]
+            size = _pop(heap, size)
+            fields[0, r, built], fields[1, r, built], fields[2, r, built], fields[3, r, built] = tokens[r, depth - 1, rank], parent, depth, rank
+            if rank + 1 < topk and scores[r, depth - 1, rank + 1] != NEG_INF:
+                size = _push(heap, size, -(parent_score + scores[r, depth - 1, rank + 1]), depth, parent, rank + 1, parent_score)
+            if depth < max_depth and scores[r, depth, 0] != NEG_INF:
+                size = _push(heap, size, negative - scores[r, depth, 0], depth + 1, built, 0, -negative)
+            built += 1
+        counts[r] = built
+    valid = np.arange(width).reshape(1, width) < counts.reshape(num_req, 1)
+    return fields, valid, counts
+
+
+def build_draft_trees_on_host(root_token_ids: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> DraftTree:
+    """`vllm_ddtree.core.build_draft_trees` (its arguments, its trees), compiled for host tensors."""
+    num_req, max_depth, topk = top_logprobs.shape
+    if budget == 0 or max_depth == 0 or not 0 <= budget <= MAX_BUDGET:  # roots alone, or the core's error
+        return build_draft_trees(root_token_ids, top_logprobs, top_token_ids, budget)
+    fields, valid, counts = _best_first(
+        root_token_ids.reshape(-1).long().numpy(), top_logprobs.double().numpy(), top_token_ids.long().numpy(), budget
+    )
+    token_ids, parents, depths, ranks = torch.from_numpy(fields).unbind(0)
+    return DraftTree(
+        token_ids=token_ids,
+        parents=parents,
+        depths=depths,
+        ranks=ranks,
+        valid=torch.from_numpy(valid),
+        num_nodes=torch.from_numpy(counts),
+        max_depth=max_depth,
+    )
+
+
+@njit(cache=True, nogil=True)
+def _ancestor_masks(parents: np.ndarray) -> np.ndarray:
+    num_req, num_nodes = parents.shape
+    mask = np.zeros((num_req, num_nodes, num_nodes), dtype=np.bool_)
+    for r in range(num_req):
+        for i in range(num_nodes):
+            node, steps = i, 0
+            while node >= 0 and steps <= num_nodes:  # a tree's path ends at the root (parent -1)
+                mask[r, i, node] = True
+                node, steps = parents[r, node], steps + 1
+    return mask
+
+
+def tree_attention_mask_on_host(tree: DraftTree) -> torch.Tensor:
+    """`vllm_ddtree.core.tree_attention_mask` ([R, N, N] bool: node j is node i or an ancestor of it),
+    compiled for host trees: each row is its node's walk up the parents."""
+    return torch.from_numpy(_ancestor_masks(tree.parents.numpy()))
+
+
+@njit(cache=True, nogil=True)
+def _tree_windows(
+    ancestor_mask: np.ndarray,
+    starts: np.ndarray,
+    num_nodes: np.ndarray,
+    valid: np.ndarray,
+    req_indices: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    num_req, width = valid.shape
+    tail_first = starts // block_size
+    window_blocks = (starts + num_nodes + block_size - 1) // block_size
+    bias = np.empty((num_req, (window_blocks - tail_first).max(), 1, 1, width, block_size), dtype=np.float32)
+    for t in range(num_req):
+        for k in range(bias.shape[1]):
+            for i in range(width):
+                row = i if valid[t, i] else 0
+                for b in range(block_size):
+                    column = (tail_first[t] + k) * block_size + b - starts[t]  # node index, < 0 in the prefix
+                    sees = column < 0 or (column < num_nodes[t] and ancestor_mask[t, row, column])
+                    bias[t, k, 0, 0, i, b] = 0.0 if sees else -np.inf
+    runs = np.empty((window_blocks.sum(), 6), dtype=np.int64)
+    num_runs = 0
+    for t in range(num_req):
+        blocks = block_table[req_indices[t]]
+        lo = 0
+        for hi in range(1, window_blocks[t] + 1):
+            if hi < window_blocks[t] and blocks[hi] == blocks[hi - 1] + 1:
+                continue
+            masked = max(0, hi - max(tail_first[t], lo))  # the run's last blocks, those that hold nodes
+            run = runs[num_runs]
+            run[0], run[1], run[2], run[3] = t, blocks[lo], hi - lo, hi - lo - masked
+            run[4], run[5] = hi - tail_first[t] - masked, hi - tail_first[t]
+            num_runs, lo = num_runs + 1, hi
+    return bias, runs[:num_runs]
+
+
+def tree_windows(
+    ancestor_mask: torch.Tensor,
+    starts: torch.Tensor,
+    num_nodes: torch.Tensor,
+    valid: torch.Tensor,
+    req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> tuple[np.ndarray, list[list[int]]]:
+    """The verify windows of T branching trees (request t: positions 0 .. starts[t] + num_nodes[t] - 1,
+    in whole cache blocks) as runs of consecutive cache blocks, and the additive tree mask of their tail.
+
+    bias [T, K, 1, 1, N, block_size] float32: tail block k of request t is window block
+    starts[t] // block_size + k (K the longest tail); node i (a padded node: the root's row) sees position
+    p = (starts[t] // block_size + k) * block_size + b (bias 0, else -inf) iff p < starts[t] (the prefix)
+    or p - starts[t] is a node < num_nodes[t] on its row of ancestor_mask [T, N, N].
+    runs: [t, first cache block, blocks, bias_from, lo, hi] in window order per request: the run's
+    blocks from bias_from on are its tail blocks, whose bias is bias[t, lo:hi] (lo = hi: none).
+    req_indices [T] are the trees' rows of block_table [num_reqs, max blocks]."""
+    bias, runs = _tree_windows(
+        ancestor_mask.numpy(), starts.numpy(), num_nodes.numpy(), valid.numpy(), req_indices.numpy(), block_table.numpy(), block_size
+    )
+    return bias, runs.tolist()
+
+
+def warm_up() -> None:
+    """Compile every kernel for the argument types the runner passes (or load them from the cache)."""
+    roots = torch.zeros(1, dtype=torch.long)
+    logprobs = torch.tensor([[[-0.5, -1.0], [-0.2, -2.0]]])
+    tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3)
+    table = torch.arange(4, dtype=torch.int32).view(1, 4)
+    tree_windows(tree_attention_mask_on_host(tree), torch.tensor([5]), tree.num_nodes, tree.valid, torch.zeros(1, dtype=torch.long), table, 4)
