@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
-from vllm_ddtree.core import DraftTree, build_draft_trees, tree_attention_mask
-from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host, tree_attention_mask_on_host, tree_windows
+from vllm_ddtree.core import DraftTree, accept_tree, build_draft_trees, tree_attention_mask
+from vllm_ddtree.vllm.host_tree import accept_tree_on_host, build_draft_trees_on_host, tree_attention_mask_on_host, tree_windows
 
 FIELDS = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")
 
@@ -44,6 +44,21 @@ def test_compiled_ancestor_mask_is_the_cores(table, budget):
     tree = build_draft_trees(*table, budget)
     mask = tree_attention_mask_on_host(tree)
     assert mask.dtype == torch.bool and torch.equal(mask, tree_attention_mask(tree))
+
+
+@given(st.one_of(draft_tables(max_depth=7, max_topk=6, vocab=8), draft_tables(max_depth=7, max_topk=1, vocab=4)), st.integers(0, 40),
+       st.sampled_from([torch.int64, torch.int32]), st.data())
+def test_compiled_walk_accepts_what_the_core_accepts(table, budget, dtype, data):
+    """Targets drawn from a small vocabulary (so paths are often accepted deep), in the sampler's dtypes:
+    the core's acceptance, with and without the ancestor mask, field by field and dtype by dtype."""
+    tree = build_draft_trees(*table, budget)
+    target = torch.tensor(data.draw(st.lists(st.integers(0, 7), min_size=tree.token_ids.numel(), max_size=tree.token_ids.numel())), dtype=dtype)
+    target = target.view_as(tree.token_ids)
+    walked = accept_tree_on_host(tree, target)
+    for reference in (accept_tree(tree, target), accept_tree(tree, target, tree_attention_mask(tree))):
+        for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
+            a, b = getattr(walked, name), getattr(reference, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
 def windows_oracle(ancestor_mask, starts, num_nodes, valid, req_indices, block_table, block_size):

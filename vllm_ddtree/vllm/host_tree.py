@@ -1,5 +1,5 @@
 """The host's per-step tree work, compiled by numba (a dependency of vLLM): the draft trees, their
-ancestor masks, and the tree-attention bias of the verify windows.
+ancestor masks, the tree-attention bias of the verify windows, and the acceptance walk.
 
 Each function returns exactly what its reference in `vllm_ddtree.core` (or, for the window bias, the
 numpy formula its docstring states) returns, field by field and dtype by dtype; the property tests
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
 from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees
 
 _HEAP_FIELDS = 5
@@ -219,10 +220,48 @@ def tree_windows(
     return bias, runs.tolist()
 
 
+@njit(cache=True, nogil=True)
+def _walk(
+    tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray, target: np.ndarray, path_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    num_req, num_nodes = tokens.shape
+    accepted_nodes = np.full((num_req, path_len), -1, dtype=np.int64)
+    num_accepted = np.empty(num_req, dtype=np.int64)
+    output = np.full((num_req, path_len), -1, dtype=tokens.dtype)
+    bonus = np.empty(num_req, dtype=target.dtype)
+    for r in range(num_req):
+        node, length = 0, 1
+        accepted_nodes[r, 0] = 0
+        while length < path_len:
+            child = node + 1  # children come after their parent
+            while child < num_nodes and not (valid[r, child] and parents[r, child] == node and tokens[r, child] == target[r, node]):
+                child += 1
+            if child == num_nodes:
+                break
+            accepted_nodes[r, length], output[r, length - 1] = child, tokens[r, child]
+            node, length = child, length + 1
+        num_accepted[r], bonus[r] = length, target[r, node]
+        output[r, length - 1] = bonus[r]
+    return accepted_nodes, num_accepted, output, bonus
+
+
+def accept_tree_on_host(tree: DraftTree, target_token_ids: torch.Tensor) -> TreeAcceptance:
+    """`vllm_ddtree.core.accept_tree` (the same acceptance, dtypes included), compiled for host tensors:
+    the walk itself, from the root down the child whose token is the target's at its parent (siblings
+    carry distinct tokens: at most one matches)."""
+    if tree.nodes_per_request == 1:  # roots alone
+        return accept_tree(tree, target_token_ids)
+    fields = _walk(
+        tree.token_ids.numpy(), tree.parents.numpy(), tree.valid.numpy(), target_token_ids.numpy(), max_path_length(tree)
+    )
+    return TreeAcceptance(*map(torch.from_numpy, fields))
+
+
 def warm_up() -> None:
     """Compile every kernel for the argument types the runner passes (or load them from the cache)."""
     roots = torch.zeros(1, dtype=torch.long)
     logprobs = torch.tensor([[[-0.5, -1.0], [-0.2, -2.0]]])
     tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3)
+    accept_tree_on_host(tree, torch.zeros_like(tree.token_ids))
     table = torch.arange(4, dtype=torch.int32).view(1, 4)
     tree_windows(tree_attention_mask_on_host(tree), torch.tensor([5]), tree.num_nodes, tree.valid, torch.zeros(1, dtype=torch.long), table, 4)

@@ -46,7 +46,6 @@ from vllm_ddtree.core import (
     BudgetPolicy,
     StepClock,
     TreeShape,
-    accept_tree,
     accepted_by_shape,
     compact_rows_,
     kv_compaction_plan,
@@ -387,9 +386,7 @@ class DDTreeRunnerMixin:
     def _walk(self, step: TreeStep) -> torch.Tensor:
         """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
         assert step.target_token_ids is not None
-        # Branching trees' ancestor mask is already built (their tree attention); chains' is not needed.
-        ancestor_mask = step.ancestor_mask if step.has_branching else None
-        step.acceptance = accept_tree(step.tree, step.target_token_ids, ancestor_mask)
+        step.acceptance = host_tree.accept_tree_on_host(step.tree, step.target_token_ids)  # both on the host
         accepted_rows = step.acceptance.output_token_ids
         if accepted_rows.shape[1] == step.tree.nodes_per_request:  # roots alone, chains: no padding column
             return accepted_rows.to(torch.int32)
