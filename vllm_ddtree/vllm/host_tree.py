@@ -120,11 +120,11 @@ def _best_first(
 
 def build_draft_trees_on_host(root_token_ids: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> DraftTree:
     """`vllm_ddtree.core.build_draft_trees` (its arguments, its trees), compiled for host tensors."""
-    num_req, max_depth, topk = top_logprobs.shape
+    max_depth = top_logprobs.shape[1]
     if budget == 0 or max_depth == 0 or not 0 <= budget <= MAX_BUDGET:  # roots alone, or the core's error
         return build_draft_trees(root_token_ids, top_logprobs, top_token_ids, budget)
     fields, valid, counts = _best_first(
-        root_token_ids.reshape(-1).long().numpy(), top_logprobs.double().numpy(), top_token_ids.long().numpy(), budget
+        _int64(root_token_ids.reshape(-1)), np.ascontiguousarray(top_logprobs.double().numpy()), _int64(top_token_ids), budget
     )
     token_ids, parents, depths, ranks = torch.from_numpy(fields).unbind(0)
     return DraftTree(
@@ -154,7 +154,7 @@ def _ancestor_masks(parents: np.ndarray) -> np.ndarray:
 def tree_attention_mask_on_host(tree: DraftTree) -> torch.Tensor:
     """`vllm_ddtree.core.tree_attention_mask` ([R, N, N] bool: node j is node i or an ancestor of it),
     compiled for host trees: each row is its node's walk up the parents."""
-    return torch.from_numpy(_ancestor_masks(tree.parents.numpy()))
+    return torch.from_numpy(_ancestor_masks(_int64(tree.parents)))
 
 
 @njit(cache=True, nogil=True)
@@ -215,7 +215,8 @@ def tree_windows(
     blocks from bias_from on are its tail blocks, whose bias is bias[t, lo:hi] (lo = hi: none).
     req_indices [T] are the trees' rows of block_table [num_reqs, max blocks]."""
     bias, runs = _tree_windows(
-        ancestor_mask.numpy(), starts.numpy(), num_nodes.numpy(), valid.numpy(), req_indices.numpy(), block_table.numpy(), block_size
+        np.ascontiguousarray(ancestor_mask.numpy()), _int64(starts), _int64(num_nodes), np.ascontiguousarray(valid.numpy()),
+        _int64(req_indices), np.ascontiguousarray(block_table.numpy()), block_size,  # vLLM's table: int32
     )
     return bias, runs.tolist()
 
@@ -227,8 +228,8 @@ def _walk(
     num_req, num_nodes = tokens.shape
     accepted_nodes = np.full((num_req, path_len), -1, dtype=np.int64)
     num_accepted = np.empty(num_req, dtype=np.int64)
-    output = np.full((num_req, path_len), -1, dtype=tokens.dtype)
-    bonus = np.empty(num_req, dtype=target.dtype)
+    output = np.full((num_req, path_len), -1, dtype=np.int64)
+    bonus = np.empty(num_req, dtype=np.int64)
     for r in range(num_req):
         node, length = 0, 1
         accepted_nodes[r, 0] = 0
@@ -251,10 +252,17 @@ def accept_tree_on_host(tree: DraftTree, target_token_ids: torch.Tensor) -> Tree
     carry distinct tokens: at most one matches)."""
     if tree.nodes_per_request == 1:  # roots alone
         return accept_tree(tree, target_token_ids)
-    fields = _walk(
-        tree.token_ids.numpy(), tree.parents.numpy(), tree.valid.numpy(), target_token_ids.numpy(), max_path_length(tree)
+    target = target_token_ids.numpy()
+    accepted_nodes, num_accepted, output, bonus = _walk(
+        _int64(tree.token_ids), _int64(tree.parents), np.ascontiguousarray(tree.valid.numpy()), _int64(target_token_ids), max_path_length(tree)
     )
-    return TreeAcceptance(*map(torch.from_numpy, fields))
+    return TreeAcceptance(*map(torch.from_numpy, (accepted_nodes, num_accepted, output, bonus.astype(target.dtype, copy=False))))
+
+
+def _int64(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor as a C-contiguous int64 array (a view when it is one): every kernel is compiled for
+    one layout and dtype per argument, so no step meets a new signature and its compilation."""
+    return np.ascontiguousarray(tensor.numpy(), dtype=np.int64)
 
 
 def warm_up() -> None:
