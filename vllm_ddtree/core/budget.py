@@ -520,7 +520,7 @@ class AdaptiveBudget:
         if rates[leader] > rates[best] * (1 + self.margin * self._cost(bucket, leader, best)):
             best = leader  # hysteresis: the held best yields only to a rival enough faster
         self._best[bucket] = best
-        retimed = [i for i in dict.fromkeys((best - 1, best + 1, *references)) if 0 <= i < len(self.shapes) and i != best]
+        retimed = [i for i in dict.fromkeys((*self._beside(best), *references)) if i != best]
         if (doubt := self._reprobed(bucket, rates, best, retimed)) is not None:
             return self.shapes[doubt], self.probe_hold
         if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
@@ -528,6 +528,21 @@ class AdaptiveBudget:
             if float(torch.rand(1, generator=self._rng)) * self._cost(bucket, probe, best) < 1:
                 return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
+
+    def _beside(self, best: int) -> list[int]:
+        """The shapes either side of `best` in the list, re-timed while it is held, and past the chain where
+        the chain is one of them: the chain is no tree, so a tree held beside it, the chain's rate a tie
+        with its own, would otherwise never re-time the next tree however much faster it is (simulated:
+        trees of 4 held for thousands of steps, a tree of 8 11% faster, measured once on hard text)."""
+        beside = []
+        for direction in (-1, 1):
+            i = best + direction
+            while 0 <= i < len(self.shapes):
+                beside.append(i)
+                if not self.shapes[i].is_chain:
+                    break
+                i += direction
+        return beside
 
     def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
