@@ -33,7 +33,8 @@ off (cheap) and the chain, what a user would run instead of trees (at large batc
 hardware speculation loses, and a climb down to them would take several probes or stop on a tie
 before them); then take the best measured tokens
 per second, after each of its two neighbours has been timed `warmup` times. Its rivals (the
-neighbours and the references) are measured again in two ways. Re-probes, paid from a credit of
+neighbours, past the chain where it is one: the chain is no tree; and the references) are measured
+again in two ways. Re-probes, paid from a credit of
 `reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
 rival whose upper confidence rate (tokens plus some standard errors, which grow as its samples age:
 `SampleSpread`) would win the switch, so an estimate taken on other text, or from a request's first
