@@ -14,6 +14,9 @@ that no step pays a compilation (the adaptive policy times steps).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 from numba import njit
@@ -21,12 +24,21 @@ from numba import njit
 from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
 from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees
 
+def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """numba's compiled `function`, cached on disk where numba finds a writable place (next to this file,
+    else the user's cache directory), else compiled anew in every process."""
+    try:
+        return njit(cache=True, nogil=True)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return njit(nogil=True)(function)
+
+
 _HEAP_FIELDS = 5
 """A heap entry: (-score, depth, parent, rank, parent score); the first four order it (they are unique
 per candidate, so the fifth never breaks a tie)."""
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _before(heap: np.ndarray, a: int, b: int) -> bool:
     for field in range(_HEAP_FIELDS - 1):
         if heap[a, field] != heap[b, field]:
@@ -34,13 +46,13 @@ def _before(heap: np.ndarray, a: int, b: int) -> bool:
     return False
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _swap(heap: np.ndarray, a: int, b: int) -> None:
     for field in range(_HEAP_FIELDS):
         heap[a, field], heap[b, field] = heap[b, field], heap[a, field]
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _push(heap: np.ndarray, size: int, negative: int, depth: int, parent: int, rank: int, parent_score: int) -> int:
     heap[size, 0], heap[size, 1], heap[size, 2], heap[size, 3], heap[size, 4] = negative, depth, parent, rank, parent_score
     child = size
@@ -50,7 +62,7 @@ def _push(heap: np.ndarray, size: int, negative: int, depth: int, parent: int, r
     return size + 1
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _pop(heap: np.ndarray, size: int) -> int:
     """Drop the first entry (read heap[0] before); returns the new size."""
     size -= 1
@@ -67,7 +79,7 @@ def _pop(heap: np.ndarray, size: int) -> int:
         node = first
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _fixed_point(logprobs: np.ndarray, topk: int) -> np.ndarray:
     """`core.tree.fixed_point_logprobs` of logprobs[:, :, :topk], float64 (numpy's round and rint both
     round half to even)."""
@@ -82,7 +94,7 @@ def _fixed_point(logprobs: np.ndarray, topk: int) -> np.ndarray:
     return scores
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _best_first(
     roots: np.ndarray, logprobs: np.ndarray, tokens: np.ndarray, budget: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -138,7 +150,7 @@ def build_draft_trees_on_host(root_token_ids: torch.Tensor, top_logprobs: torch.
     )
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _ancestor_masks(parents: np.ndarray) -> np.ndarray:
     num_req, num_nodes = parents.shape
     mask = np.zeros((num_req, num_nodes, num_nodes), dtype=np.bool_)
@@ -157,7 +169,7 @@ def tree_attention_mask_on_host(tree: DraftTree) -> torch.Tensor:
     return torch.from_numpy(_ancestor_masks(_int64(tree.parents)))
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _tree_windows(
     ancestor_mask: np.ndarray,
     starts: np.ndarray,
@@ -221,7 +233,7 @@ def tree_windows(
     return bias, runs.tolist()
 
 
-@njit(cache=True, nogil=True)
+@_compiled
 def _walk(
     tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray, target: np.ndarray, path_len: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
