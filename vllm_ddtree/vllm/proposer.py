@@ -163,13 +163,16 @@ class DDTreeProposer(DFlashProposer):
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
-        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor)."""
+        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor). For the
+        chain (K = 1), each depth's first maximal token, and for its log-prob 0 where the maximum is
+        finite, else -inf: a chain is cut at the first depth whose log-prob is -inf (or NaN: no finite
+        maximum) and its log-probs say nothing else, so no log-sum-exp over the vocabulary is taken."""
         logits = self.model.compute_logits(hidden_states)
         with self.stage_times.stage(DRAFT_TOPK):
             logits = logits.float()
-            if self._candidates == 1:  # the chain: each depth's first maximal token, its log-prob without a log-softmax
+            if self._candidates == 1:
                 best = logits.max(dim=-1, keepdim=True)
-                values, indices = best.values - logits.logsumexp(dim=-1, keepdim=True), best.indices
+                values, indices = torch.where(best.values.isfinite(), 0.0, float("-inf")), best.indices
             else:
                 values, indices = logits.log_softmax(dim=-1).topk(min(self._candidates, logits.shape[-1]), dim=-1)
         self._top = (values, indices)
