@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import deque
 
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
-from vllm_ddtree.core import accept_tree, build_draft_trees
+from vllm_ddtree.core import accept_tree, build_draft_trees, chain_token_ids_of
 from vllm_ddtree.core.budget import (
     OFF,
     AdaptiveBudget,
@@ -196,6 +197,34 @@ def test_chain_tokens_read_off_a_tree_equal_the_chains_own_walk(table, budget, c
             assert not (depths == run + 1).any()
 
 
+@given(draft_tables(max_depth=6), st.integers(0, 40), st.integers(1, 7), st.integers(0, 2**31 - 1))
+def test_the_chains_tokens_take_its_read_off_one_depth_further(table, budget, chain_depth, seed):
+    """With the draft's rank-0 tokens kept with the trees and the target's tokens at the nodes, the
+    read-off equals the chain's own walk, or, where the tree ends below the accepted run, stands one
+    token above the read-off without them and still below the walk (the target's token at the chain's
+    next node is unknown)."""
+    roots, logprobs, token_ids = table
+    tree = build_draft_trees(roots, logprobs, token_ids, budget)
+    target = prefix_target(token_ids, seed)
+    target_at_nodes = torch.tensor([[target(r, p) for p in node_paths(tree, r)] for r in range(roots.shape[0])])
+    accepted_nodes = accept_tree(tree, target_at_nodes).accepted_nodes
+    without = chain_accepted(tree, accepted_nodes, chain_depth)
+    kept = dataclasses.replace(tree, chain_token_ids=chain_token_ids_of(logprobs, token_ids))
+    assert torch.equal(chain_accepted(kept, accepted_nodes, chain_depth), without)  # no target tokens: as before
+    read_off = chain_accepted(kept, accepted_nodes, chain_depth, target_at_nodes)
+    for r in range(roots.shape[0]):
+        chain: list[int] = []
+        while len(chain) < min(chain_depth, token_ids.shape[1]) and logprobs[r, len(chain), 0] > float("-inf"):
+            if target(r, tuple(chain)) != int(token_ids[r, len(chain), 0]):
+                break
+            chain.append(int(token_ids[r, len(chain), 0]))
+        run = int(read_off[r])
+        assert int(without[r]) <= run <= len(chain)
+        if run < len(chain):
+            assert run == int(without[r]) + 1
+            assert not (tree.depths[r][tree.valid[r]] == int(without[r]) + 1).any()
+
+
 @given(draft_tables(max_depth=6), st.sampled_from([4, 8, 16, 32]), st.integers(0, 2**31 - 1), st.data())
 def test_accepted_by_shape_equals_each_nested_trees_own_walk(table, budget, seed, data):
     """Each nested tree's accepted tokens, read off the big tree's walk, equal what that smaller tree's
@@ -210,14 +239,15 @@ def test_accepted_by_shape_equals_each_nested_trees_own_walk(table, budget, seed
     verified = torch.tensor(data.draw(st.lists(st.booleans(), min_size=num_req, max_size=num_req)))
     shapes = candidate_shapes(32, token_ids.shape[1])
     used = TreeShape(budget)
-    counts = accepted_by_shape(shapes, used, tree, accepted_nodes, verified)
+    tree = dataclasses.replace(tree, chain_token_ids=chain_token_ids_of(logprobs, token_ids))
+    counts = accepted_by_shape(shapes, used, tree, accepted_nodes, verified, target_at_nodes)
     if not verified.any():
         assert counts == {used: 0}
         return
     smallest = int(tree.num_nodes[verified].min()) - 1
     for shape, count in counts.items():
         if shape.is_chain:
-            assert count == int(chain_accepted(tree, accepted_nodes, shape.budget)[verified].sum())
+            assert count == int(chain_accepted(tree, accepted_nodes, shape.budget, target_at_nodes)[verified].sum())
             continue
         assert shape == used or shape.budget <= smallest
         small = build_draft_trees(roots, logprobs, token_ids, shape.budget)

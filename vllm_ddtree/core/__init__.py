@@ -27,7 +27,7 @@ from vllm_ddtree.core.gdn_state import (
 from vllm_ddtree.core.gdn_tree import ancestor_table, gdn_gating, tree_causal_conv1d, tree_gated_delta_rule
 from vllm_ddtree.core.kv_plan import KVCompactionPlan, compact_rows_, kv_compaction_plan
 from vllm_ddtree.core.sampling import TreeSamplingParams, process_logits, sample_tree_tokens
-from vllm_ddtree.core.tree import DraftTree, build_draft_trees, tree_attention_mask
+from vllm_ddtree.core.tree import DraftTree, build_draft_trees, chain_token_ids_of, tree_attention_mask
 
 __all__ = [
     "OFF",
@@ -44,6 +44,7 @@ __all__ = [
     "accepted_state_move",
     "ancestor_table",
     "build_draft_trees",
+    "chain_token_ids_of",
     "candidate_shapes",
     "chain_accepted",
     "compact_conv_windows_",

@@ -255,28 +255,54 @@ def nested_shapes(shapes: list[TreeShape], used: TreeShape) -> list[TreeShape]:
     return [s for s in shapes if s.is_off or s == used or (used.topk is None and s.topk is None and s.budget <= used.budget)]
 
 
-def chain_accepted(tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: int) -> torch.Tensor:
+def chain_accepted(
+    tree: DraftTree, accepted_nodes: torch.Tensor, chain_depth: int, target_token_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Draft tokens [R] the chain (each depth's rank-0 token, `chain_depth` deep) would have accepted
     in this step, read off a verified tree and its accepted path accepted_nodes [R, D] (root first,
     -1 padded): the accepted path's leading run of rank-0 nodes, capped at `chain_depth`.
 
     The chain walks the same nodes with the same target tokens while the path stays on rank 0, and
     stops where the path leaves it (the target's token is not the rank-0 one) or stops below a rank-0
-    child (the target rejected it). Exact, except where the tree holds no rank-0 child below the run's
-    last node because it ends there (shallower than `chain_depth`, or cut): then a lower bound.
-    Host tensors (computed in numpy).
+    child (the target rejected it). Where the run is the whole path and its last node u has no rank-0
+    child in the tree (the tree ends there: shallower than `chain_depth`, or cut), the chain's next
+    node is the draft's rank-0 token one depth down (`tree.chain_token_ids`, when kept) and the
+    target's token at u (target_token_ids [R, N], when given) tells whether the chain accepts it: one
+    more token if so, and then a lower bound (the target's token at that node is unknown), as without
+    the chain's tokens. Host tensors (computed in numpy).
     """
-    return torch.from_numpy(_chain_accepted(tree.ranks.numpy(), accepted_nodes.numpy(), chain_depth))
+    chain_tokens = tree.chain_token_ids
+    extension = None
+    if chain_tokens is not None and target_token_ids is not None:
+        extension = (chain_tokens.numpy(), target_token_ids.numpy(), tree.parents.numpy(), tree.valid.numpy())
+    return torch.from_numpy(_chain_accepted(tree.ranks.numpy(), accepted_nodes.numpy(), chain_depth, extension))
 
 
-def _chain_accepted(ranks: np.ndarray, accepted_nodes: np.ndarray, chain_depth: int) -> np.ndarray:
+def _chain_accepted(
+    ranks: np.ndarray, accepted_nodes: np.ndarray, chain_depth: int, extension: tuple[np.ndarray, ...] | None = None
+) -> np.ndarray:
     path = accepted_nodes[:, 1:]
     on_rank0 = (path >= 0) & (np.take_along_axis(ranks, np.maximum(path, 0), 1) == 0)
-    return np.minimum(on_rank0.cumprod(1).sum(1), chain_depth)
+    run = on_rank0.cumprod(1).sum(1)
+    if extension is not None:
+        chain_tokens, target, parents, valid = extension
+        rows = np.arange(run.size)
+        drafted = (path >= 0).sum(1)
+        last = accepted_nodes[rows, drafted]  # the path's last node (the root when nothing was accepted)
+        rank0_child = (valid & (parents == last[:, None]) & (ranks == 0)).any(1)
+        below = run < min(chain_depth, chain_tokens.shape[1])
+        next_token = chain_tokens[rows, np.minimum(run, chain_tokens.shape[1] - 1)]
+        run = run + ((run == drafted) & ~rank0_child & below & (target[rows, last] == next_token))
+    return np.minimum(run, chain_depth)
 
 
 def accepted_by_shape(
-    shapes: list[TreeShape], used: TreeShape, tree: DraftTree, accepted_nodes: torch.Tensor, verified: torch.Tensor
+    shapes: list[TreeShape],
+    used: TreeShape,
+    tree: DraftTree,
+    accepted_nodes: torch.Tensor,
+    verified: torch.Tensor,
+    target_token_ids: torch.Tensor | None = None,
 ) -> dict[TreeShape, int]:
     """Draft tokens accepted in one step by the `used` shape and by every candidate whose tokens can be
     read off it, all requests together: the nested smaller trees (a b-node best-first tree accepts the
@@ -285,8 +311,9 @@ def accepted_by_shape(
     bigger than the smallest of their trees are left out (the scheduler may have cut trees), and so is
     everything but `used` when no request verified drafts. One host sync for all shapes.
 
-    tree [R, N] and accepted_nodes [R, D] (root first, -1 padded) are the step's trees and walk, host
-    tensors (computed in numpy: a handful of tiny arrays per step).
+    tree [R, N] and accepted_nodes [R, D] (root first, -1 padded) are the step's trees and walk, and
+    target_token_ids [R, N] the target's token at every node (the chain's read-off goes one depth
+    further with them), host tensors (computed in numpy: a handful of tiny arrays per step).
     """
     verified = verified.numpy()
     if not verified.any():
@@ -300,7 +327,7 @@ def accepted_by_shape(
     budgets = np.array([shape.budget for shape in nested])
     counts = ((path > 0) & (path <= budgets)).sum((0, 1)).tolist()
     if with_chain:
-        counts.append(int(_chain_accepted(tree.ranks.numpy(), nodes, chain.budget)[verified].sum()))
+        counts.append(int(chain_accepted(tree, accepted_nodes, chain.budget, target_token_ids).numpy()[verified].sum()))
         nested.append(chain)
     return dict(zip(nested, counts))
 

@@ -72,6 +72,11 @@ class DraftTree:
     num_nodes: torch.Tensor
     max_depth: int
     """Static bound on depths (the number of draft depths given); bounds every path walk."""
+    chain_token_ids: torch.Tensor | None = None
+    """[R, L] the draft's rank-0 token at each depth, -1 from the first depth whose rank-0 log-prob is
+    -inf (the chain's tokens: `chain_token_ids_of`), where the caller keeps them: they let the chain's
+    accepted tokens be read off these trees one depth further (`budget.chain_accepted`). The builders
+    leave it None."""
 
     @property
     def num_requests(self) -> int:
@@ -80,6 +85,12 @@ class DraftTree:
     @property
     def nodes_per_request(self) -> int:
         return self.token_ids.shape[1]
+
+
+def chain_token_ids_of(top_logprobs: torch.Tensor, top_token_ids: torch.Tensor) -> torch.Tensor:
+    """`DraftTree.chain_token_ids` of a draft's top-K [R, L, K] (host or device tensors)."""
+    reachable = (top_logprobs[:, :, 0] > float("-inf")).long().cummin(1).values.bool()
+    return torch.where(reachable, top_token_ids[:, :, 0].long(), -1)
 
 
 @lru_cache(maxsize=64)

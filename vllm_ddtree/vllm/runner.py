@@ -442,7 +442,9 @@ class DDTreeRunnerMixin:
             return
         assert step.acceptance is not None
         committed = int((output >= 0).sum()) - discarded
-        accepted = accepted_by_shape(self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted)
+        accepted = accepted_by_shape(
+            self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted, step.target_token_ids
+        )
         self.clock.step_sampled(committed, accepted)
 
     def _compact_target_kv(self, step: TreeStep) -> None:

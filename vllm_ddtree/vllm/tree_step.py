@@ -239,6 +239,7 @@ class TreeStep:
             valid=valid,
             num_nodes=trees.num_nodes,
             max_depth=int(depths.numpy().max()),
+            chain_token_ids=trees.chain_token_ids,
         )
         return cls._of(tree, root_rows, starts, num_drafts)
 
