@@ -24,7 +24,9 @@ with every tree step too (`chain_accepted`); without them the chain would be mea
 steps, on other text than the trees it is compared with. (A tree ending right below the chain's
 accepted run gives a lower bound: measured on the demo pair at batch 1, T=0, the read-off was censored
 so in 24%, 11% and 6% of the requests' steps of trees of 8, 16 and 32 nodes, and about 5% low with
-trees of 8, which favours trees over the chain by about that much.)
+trees of 8, which favoured trees over the chain by about that much. With the draft's rank-0 tokens
+kept with the trees, the target's token at the run's last node settles the chain's next node, so the
+read-off is exact there and a lower bound one depth further down: `chain_accepted`.)
 Choices climb the ordered list (speed peaks at an intermediate size, and far sizes can be very slow,
 so they are never tried blindly): a bucket starts where an adjacent bucket with measurements stands,
 at off when only far buckets have measurements (the first one: at the first tree of at least 8
