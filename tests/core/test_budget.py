@@ -174,6 +174,16 @@ def node_paths(tree, r: int) -> list[tuple[int, ...]]:
     return paths
 
 
+def chain_walk(r: int, logprobs: torch.Tensor, token_ids: torch.Tensor, target, chain_depth: int) -> list[int]:
+    """The tokens request r's chain (each depth's rank-0 token, cut at -inf) accepts in its own verify walk."""
+    chain: list[int] = []
+    while len(chain) < min(chain_depth, token_ids.shape[1]) and logprobs[r, len(chain), 0] > float("-inf"):
+        if target(r, tuple(chain)) != int(token_ids[r, len(chain), 0]):
+            break
+        chain.append(int(token_ids[r, len(chain), 0]))
+    return chain
+
+
 @given(draft_tables(max_depth=6), st.integers(0, 40), st.integers(1, 7), st.integers(0, 2**31 - 1))
 def test_chain_tokens_read_off_a_tree_equal_the_chains_own_walk(table, budget, chain_depth, seed):
     """Against the chain's own verify walk under the same target: equal, except where the tree ends
@@ -185,11 +195,7 @@ def test_chain_tokens_read_off_a_tree_equal_the_chains_own_walk(table, budget, c
     target_at_nodes = torch.tensor([[target(r, p) for p in node_paths(tree, r)] for r in range(roots.shape[0])])
     read_off = chain_accepted(tree, accept_tree(tree, target_at_nodes).accepted_nodes, chain_depth)
     for r in range(roots.shape[0]):
-        chain: list[int] = []
-        while len(chain) < min(chain_depth, token_ids.shape[1]) and logprobs[r, len(chain), 0] > float("-inf"):
-            if target(r, tuple(chain)) != int(token_ids[r, len(chain), 0]):
-                break
-            chain.append(int(token_ids[r, len(chain), 0]))
+        chain = chain_walk(r, logprobs, token_ids, target, chain_depth)
         run = int(read_off[r])
         assert run <= len(chain)
         if run < len(chain):
@@ -213,11 +219,7 @@ def test_the_chains_tokens_take_its_read_off_one_depth_further(table, budget, ch
     assert torch.equal(chain_accepted(kept, accepted_nodes, chain_depth), without)  # no target tokens: as before
     read_off = chain_accepted(kept, accepted_nodes, chain_depth, target_at_nodes)
     for r in range(roots.shape[0]):
-        chain: list[int] = []
-        while len(chain) < min(chain_depth, token_ids.shape[1]) and logprobs[r, len(chain), 0] > float("-inf"):
-            if target(r, tuple(chain)) != int(token_ids[r, len(chain), 0]):
-                break
-            chain.append(int(token_ids[r, len(chain), 0]))
+        chain = chain_walk(r, logprobs, token_ids, target, chain_depth)
         run = int(read_off[r])
         assert int(without[r]) <= run <= len(chain)
         if run < len(chain):
