@@ -226,7 +226,7 @@ def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     )
 
 
-def fixed_point_logprobs_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
+def _fixed_point_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
     """`fixed_point_logprobs` in numpy, for host tensors."""
     logprobs = top_logprobs.to(torch.float64).numpy()
     usable = logprobs > -np.inf
@@ -243,7 +243,7 @@ def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     parent_pos, token_rank = (t.numpy() for t in _candidate_pairs(budget, topk, "cpu"))
     num_pairs = parent_pos.size
     tie_breaker, tie, parent_base, depth_flat, final_index = (t.numpy() for t in _layout(budget, topk, max_depth, "cpu"))
-    pair_keys = fixed_point_logprobs_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
+    pair_keys = _fixed_point_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
     floor_key = NEG_INF * num_pairs
     rows = np.arange(num_req)[:, None]
 
@@ -302,7 +302,7 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     depths = [[0] * width for _ in roots]
     ranks = [[0] * width for _ in roots]
     num_nodes = []
-    fixed = fixed_point_logprobs_on_host(top_logprobs[:, :, :topk])
+    fixed = _fixed_point_on_host(top_logprobs[:, :, :topk])
     for r, (scores, tokens) in enumerate(zip(fixed.tolist(), top_token_ids[:, :, :topk].tolist())):
         heap = [(-scores[0][0], 1, 0, 0, 0)] if scores[0][0] != NEG_INF else []  # (-score, depth, parent, rank, parent score)
         built = 1
