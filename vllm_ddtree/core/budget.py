@@ -273,29 +273,20 @@ def chain_accepted(
     more token if so, and then a lower bound (the target's token at that node is unknown), as without
     the chain's tokens. Host tensors (computed in numpy).
     """
-    chain_tokens = tree.chain_token_ids
-    extension = None
-    if chain_tokens is not None and target_token_ids is not None:
-        extension = (chain_tokens.numpy(), target_token_ids.numpy(), tree.parents.numpy(), tree.valid.numpy())
-    return torch.from_numpy(_chain_accepted(tree.ranks.numpy(), accepted_nodes.numpy(), chain_depth, extension))
-
-
-def _chain_accepted(
-    ranks: np.ndarray, accepted_nodes: np.ndarray, chain_depth: int, extension: tuple[np.ndarray, ...] | None = None
-) -> np.ndarray:
-    path = accepted_nodes[:, 1:]
+    ranks, nodes = tree.ranks.numpy(), accepted_nodes.numpy()
+    path = nodes[:, 1:]
     on_rank0 = (path >= 0) & (np.take_along_axis(ranks, np.maximum(path, 0), 1) == 0)
     run = on_rank0.cumprod(1).sum(1)
-    if extension is not None:
-        chain_tokens, target, parents, valid = extension
+    if tree.chain_token_ids is not None and target_token_ids is not None:
+        chain_tokens, target = tree.chain_token_ids.numpy(), target_token_ids.numpy()
         rows = np.arange(run.size)
         drafted = (path >= 0).sum(1)
-        last = accepted_nodes[rows, drafted]  # the path's last node (the root when nothing was accepted)
-        rank0_child = (valid & (parents == last[:, None]) & (ranks == 0)).any(1)
+        last = nodes[rows, drafted]  # the path's last node (the root when nothing was accepted)
+        rank0_child = (tree.valid.numpy() & (tree.parents.numpy() == last[:, None]) & (ranks == 0)).any(1)
         below = run < min(chain_depth, chain_tokens.shape[1])
         next_token = chain_tokens[rows, np.minimum(run, chain_tokens.shape[1] - 1)]
         run = run + ((run == drafted) & ~rank0_child & below & (target[rows, last] == next_token))
-    return np.minimum(run, chain_depth)
+    return torch.from_numpy(np.minimum(run, chain_depth))
 
 
 def accepted_by_shape(

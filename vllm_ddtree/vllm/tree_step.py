@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance, tree_attention_mask
+from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance
 from vllm_ddtree.vllm.host_tree import tree_attention_mask_on_host
 
 
@@ -279,9 +279,7 @@ class TreeStep:
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
-        if self.tree.parents.device.type == "cpu":
-            return tree_attention_mask_on_host(self.tree)
-        return tree_attention_mask(self.tree)
+        return tree_attention_mask_on_host(self.tree)  # a step's trees are host tensors (`build`)
 
     @property
     def drafted(self) -> torch.Tensor:
