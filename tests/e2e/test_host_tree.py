@@ -3,14 +3,22 @@ the core's tree builder and ancestor mask, and the numpy formula of the verify w
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
-from vllm_ddtree.core import DraftTree, accept_tree, build_draft_trees, tree_attention_mask
-from vllm_ddtree.vllm.host_tree import accept_tree_on_host, build_draft_trees_on_host, tree_attention_mask_on_host, tree_windows
+from vllm_ddtree.core import DraftTree, accept_tree, accepted_by_shape, build_draft_trees, candidate_shapes, chain_token_ids_of, tree_attention_mask
+from vllm_ddtree.vllm.host_tree import (
+    accept_tree_on_host,
+    accepted_by_shape_on_host,
+    build_draft_trees_on_host,
+    tree_attention_mask_on_host,
+    tree_windows,
+)
 
 FIELDS = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")
 
@@ -25,7 +33,13 @@ def assert_same_trees(built: DraftTree, reference: DraftTree) -> None:
 @given(st.one_of(draft_tables(), draft_tables(max_depth=7, max_topk=8, vocab=64), draft_tables(max_depth=16, max_topk=1)), st.integers(0, 48))
 def test_compiled_builder_builds_the_cores_trees(table, budget):
     roots, logprobs, token_ids = table
-    assert_same_trees(build_draft_trees_on_host(roots, logprobs, token_ids, budget), build_draft_trees(roots, logprobs, token_ids, budget))
+    reference = build_draft_trees(roots, logprobs, token_ids, budget)
+    assert_same_trees(build_draft_trees_on_host(roots, logprobs, token_ids, budget), reference)
+    assert build_draft_trees_on_host(roots, logprobs, token_ids, budget).chain_token_ids is None
+    kept = build_draft_trees_on_host(roots, logprobs, token_ids, budget, with_chain=True)
+    assert_same_trees(kept, reference)
+    chain = chain_token_ids_of(logprobs, token_ids)
+    assert kept.chain_token_ids.dtype == chain.dtype and torch.equal(kept.chain_token_ids, chain)
 
 
 @given(draft_tables(max_depth=7, max_topk=6), st.integers(1, 40), st.data())
@@ -37,6 +51,9 @@ def test_nan_log_probs_are_no_probability_in_every_builder(table, budget, data):
     reference = build_draft_trees(roots, torch.where(nan, float("-inf"), logprobs), token_ids, budget)
     assert_same_trees(build_draft_trees_on_host(roots, with_nan, token_ids, budget), reference)
     assert_same_trees(build_draft_trees(roots, with_nan, token_ids, budget), reference)
+    chain = chain_token_ids_of(torch.where(nan, float("-inf"), logprobs), token_ids)
+    assert torch.equal(build_draft_trees_on_host(roots, with_nan, token_ids, budget, with_chain=True).chain_token_ids, chain)
+    assert torch.equal(chain_token_ids_of(with_nan, token_ids), chain)
 
 
 @given(draft_tables(max_depth=7, max_topk=6), st.integers(1, 40))
@@ -59,6 +76,38 @@ def test_compiled_walk_accepts_what_the_core_accepts(table, budget, dtype, data)
         for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
             a, b = getattr(walked, name), getattr(reference, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@settings(max_examples=200)
+@given(st.integers(0, 2**31 - 1))
+def test_compiled_read_off_counts_what_the_core_counts(seed):
+    """What every candidate shape would have accepted, read off a walked tree (`accepted_by_shape`):
+    random tables over 4 tokens (-inf tails included), trees of any budget, targets that mostly follow
+    the draft's rank-0 token one depth down (long rank-0 runs, trees that end below them: the read-off
+    one depth further fires in about one case in ten), any used shape, any verified requests, with and
+    without the draft's chain and the target's tokens."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(high: int) -> int:
+        return int(torch.randint(1, high + 1, (), generator=gen))
+
+    num_req, depth, topk = draw(3), draw(7), draw(4)
+    logprobs = (-torch.randint(0, 40, (num_req, depth, topk), generator=gen) / 8).sort(-1, descending=True).values
+    logprobs[torch.rand(num_req, depth, topk, generator=gen) < 0.1] = float("-inf")
+    logprobs = logprobs.sort(-1, descending=True).values
+    token_ids = torch.stack([torch.randperm(4, generator=gen)[:topk] for _ in range(num_req * depth)]).view(num_req, depth, topk)
+    kept = build_draft_trees_on_host(torch.randint(0, 4, (num_req,), generator=gen), logprobs, token_ids, draw(32), with_chain=True)
+    rank0_next = token_ids[:, :, 0].gather(1, kept.depths.clamp(max=depth - 1))
+    follows = torch.rand(rank0_next.shape, generator=gen) < 0.8
+    target = torch.where(follows, rank0_next, torch.randint(0, 4, rank0_next.shape, generator=gen)).to(torch.int32 if seed % 2 else torch.int64)
+    accepted_nodes = accept_tree_on_host(kept, target).accepted_nodes
+    verified = (torch.rand(num_req, generator=gen) < 0.8).numpy()
+    shapes = candidate_shapes(32, depth)
+    used = shapes[int(torch.randint(0, len(shapes), (), generator=gen))]
+    for tree in (kept, dataclasses.replace(kept, chain_token_ids=None)):
+        for given_target in (target, None):
+            expected = accepted_by_shape(shapes, used, tree, accepted_nodes, torch.from_numpy(verified), given_target)
+            assert accepted_by_shape_on_host(shapes, used, tree, accepted_nodes, verified, given_target) == expected
 
 
 def windows_oracle(ancestor_mask, starts, num_nodes, valid, req_indices, block_table, block_size):

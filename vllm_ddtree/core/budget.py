@@ -311,18 +311,25 @@ def accepted_by_shape(
     verified = verified.numpy()
     if not verified.any():
         return {used: 0}
-    smallest = int(tree.num_nodes.numpy()[verified].min()) - 1
-    nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
-    chain = next((shape for shape in shapes if shape.is_chain), None)
-    with_chain = chain is not None and chain not in nested and used.topk is None and chain.budget <= smallest
+    nested, chain = read_off_shapes(shapes, used, int(tree.num_nodes.numpy()[verified].min()) - 1)
     nodes = accepted_nodes.numpy()
     path = nodes[verified, 1:, None]
     budgets = np.array([shape.budget for shape in nested])
     counts = ((path > 0) & (path <= budgets)).sum((0, 1)).tolist()
-    if with_chain:
+    if chain is not None:
         counts.append(int(chain_accepted(tree, accepted_nodes, chain.budget, target_token_ids).numpy()[verified].sum()))
         nested.append(chain)
     return dict(zip(nested, counts))
+
+
+def read_off_shapes(shapes: list[TreeShape], used: TreeShape, smallest: int) -> tuple[list[TreeShape], TreeShape | None]:
+    """The candidates `accepted_by_shape` reads off a step of `used`-shaped trees whose smallest verified
+    tree has `smallest` drafts: the nested shapes that fit (`used` always), and the chain when it is
+    read off trees (None otherwise)."""
+    nested = [shape for shape in nested_shapes(shapes, used) if shape == used or shape.budget <= smallest]
+    chain = next((shape for shape in shapes if shape.is_chain), None)
+    with_chain = chain is not None and chain not in nested and used.topk is None and chain.budget <= smallest
+    return nested, chain if with_chain else None
 
 
 def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, int]) -> dict[TreeShape, int]:

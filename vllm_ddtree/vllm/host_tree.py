@@ -1,5 +1,6 @@
-"""The host's per-step tree work, compiled by numba (a dependency of vLLM): the draft trees, their
-ancestor masks, the tree-attention bias of the verify windows, and the acceptance walk.
+"""The host's per-step tree work, compiled by numba (a dependency of vLLM): the draft trees (and the
+draft's chain), their ancestor masks, the tree-attention bias of the verify windows, the acceptance
+walk, and what each candidate shape would have accepted (the budget policy's read-off).
 
 Each function returns exactly what its reference in `vllm_ddtree.core` (or, for the window bias, the
 numpy formula its docstring states) returns, field by field and dtype by dtype; the property tests
@@ -14,6 +15,7 @@ that no step pays a compilation (the adaptive policy times steps).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,8 @@ import torch
 from numba import njit
 
 from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
-from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees
+from vllm_ddtree.core.budget import TreeShape, read_off_shapes
+from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees, chain_token_ids_of
 
 def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     """numba's compiled `function`, cached on disk where numba finds a writable place (next to this file,
@@ -130,14 +133,29 @@ def _best_first(
     return fields, valid, counts
 
 
-def build_draft_trees_on_host(root_token_ids: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> DraftTree:
-    """`vllm_ddtree.core.build_draft_trees` (its arguments, its trees), compiled for host tensors."""
+@_compiled
+def _chain_tokens(logprobs: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    num_req, max_depth, _ = logprobs.shape
+    chain = np.full((num_req, max_depth), -1, dtype=np.int64)
+    for r in range(num_req):
+        for d in range(max_depth):
+            if not logprobs[r, d, 0] > -np.inf:  # NaN is no probability either
+                break
+            chain[r, d] = tokens[r, d, 0]
+    return chain
+
+
+def build_draft_trees_on_host(
+    root_token_ids: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, with_chain: bool = False
+) -> DraftTree:
+    """`vllm_ddtree.core.build_draft_trees` (its arguments, its trees), compiled for host tensors; with
+    `with_chain`, the trees also keep the draft's chain (`chain_token_ids_of(top_logprobs, top_token_ids)`)."""
     max_depth = top_logprobs.shape[1]
     if budget == 0 or max_depth == 0 or not 0 <= budget <= MAX_BUDGET:  # roots alone, or the core's error
-        return build_draft_trees(root_token_ids, top_logprobs, top_token_ids, budget)
-    fields, valid, counts = _best_first(
-        _int64(root_token_ids.reshape(-1)), np.ascontiguousarray(top_logprobs.double().numpy()), _int64(top_token_ids), budget
-    )
+        trees = build_draft_trees(root_token_ids, top_logprobs, top_token_ids, budget)
+        return dataclasses.replace(trees, chain_token_ids=chain_token_ids_of(top_logprobs, top_token_ids)) if with_chain else trees
+    logprobs, tokens = np.ascontiguousarray(top_logprobs.double().numpy()), _int64(top_token_ids)
+    fields, valid, counts = _best_first(_int64(root_token_ids.reshape(-1)), logprobs, tokens, budget)
     token_ids, parents, depths, ranks = torch.from_numpy(fields).unbind(0)
     return DraftTree(
         token_ids=token_ids,
@@ -147,6 +165,7 @@ def build_draft_trees_on_host(root_token_ids: torch.Tensor, top_logprobs: torch.
         valid=torch.from_numpy(valid),
         num_nodes=torch.from_numpy(counts),
         max_depth=max_depth,
+        chain_token_ids=torch.from_numpy(_chain_tokens(logprobs, tokens)) if with_chain else None,
     )
 
 
@@ -271,6 +290,75 @@ def accept_tree_on_host(tree: DraftTree, target_token_ids: torch.Tensor) -> Tree
     return TreeAcceptance(*map(torch.from_numpy, (accepted_nodes, num_accepted, output, bonus.astype(target.dtype, copy=False))))
 
 
+@_compiled
+def _accepted_counts(
+    nodes: np.ndarray,
+    verified: np.ndarray,
+    budgets: np.ndarray,
+    ranks: np.ndarray,
+    parents: np.ndarray,
+    valid: np.ndarray,
+    chain_depth: int,
+    chain_tokens: np.ndarray,
+    target: np.ndarray,
+) -> np.ndarray:
+    """Per budget, the verified requests' accepted path nodes of index 1 .. budget; then, with
+    chain_depth > 0, the chain's read-off (`chain_accepted`; one depth further when chain_tokens has
+    columns)."""
+    num_req, path_len = nodes.shape
+    counts = np.zeros(budgets.size + 1, dtype=np.int64)
+    for r in range(num_req):
+        if not verified[r]:
+            continue
+        drafted = 0
+        for k in range(1, path_len):
+            node = nodes[r, k]
+            if node >= 0:
+                drafted += 1
+            for b in range(budgets.size):
+                if 0 < node <= budgets[b]:
+                    counts[b] += 1
+        if chain_depth <= 0:
+            continue
+        run = 0
+        while run < path_len - 1 and nodes[r, run + 1] >= 0 and ranks[r, nodes[r, run + 1]] == 0:
+            run += 1
+        depth = chain_tokens.shape[1]
+        if depth > 0 and run == drafted and run < min(chain_depth, depth):
+            last = nodes[r, drafted]
+            rank0_child = False
+            for j in range(parents.shape[1]):
+                rank0_child |= valid[r, j] and parents[r, j] == last and ranks[r, j] == 0
+            if not rank0_child and target[r, last] == chain_tokens[r, run]:
+                run += 1
+        counts[budgets.size] += min(run, chain_depth)
+    return counts
+
+
+def accepted_by_shape_on_host(
+    shapes: list[TreeShape],
+    used: TreeShape,
+    tree: DraftTree,
+    accepted_nodes: torch.Tensor,
+    verified: np.ndarray,
+    target_token_ids: torch.Tensor | None = None,
+) -> dict[TreeShape, int]:
+    """`vllm_ddtree.core.accepted_by_shape` (its counts; verified [R] bool as a numpy array), compiled."""
+    if not verified.any():
+        return {used: 0}
+    nested, chain = read_off_shapes(shapes, used, int(tree.num_nodes.numpy()[verified].min()) - 1)
+    read_ahead = chain is not None and tree.chain_token_ids is not None and target_token_ids is not None
+    none = np.zeros((0, 0), dtype=np.int64)
+    counts = _accepted_counts(
+        _int64(accepted_nodes), np.ascontiguousarray(verified, dtype=np.bool_), np.array([s.budget for s in nested], dtype=np.int64),
+        _int64(tree.ranks), _int64(tree.parents), np.ascontiguousarray(tree.valid.numpy()), 0 if chain is None else chain.budget,
+        _int64(tree.chain_token_ids) if read_ahead else none, _int64(target_token_ids) if read_ahead else none,
+    ).tolist()
+    if chain is None:
+        return dict(zip(nested, counts))
+    return dict(zip([*nested, chain], counts))
+
+
 def _int64(tensor: torch.Tensor) -> np.ndarray:
     """A host tensor as a C-contiguous int64 array (a view when it is one): every kernel is compiled for
     one layout and dtype per argument, so no step meets a new signature and its compilation."""
@@ -281,7 +369,10 @@ def warm_up() -> None:
     """Compile every kernel for the argument types the runner passes (or load them from the cache)."""
     roots = torch.zeros(1, dtype=torch.long)
     logprobs = torch.tensor([[[-0.5, -1.0], [-0.2, -2.0]]])
-    tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3)
-    accept_tree_on_host(tree, torch.zeros_like(tree.token_ids))
+    tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3, with_chain=True)
+    acceptance = accept_tree_on_host(tree, torch.zeros_like(tree.token_ids))
+    shapes = [TreeShape(0, 1), TreeShape(2, 1), TreeShape(3)]
+    for used in shapes[1:]:
+        accepted_by_shape_on_host(shapes, used, tree, acceptance.accepted_nodes, np.ones(1, dtype=np.bool_), torch.zeros_like(tree.token_ids))
     table = torch.arange(4, dtype=torch.int32).view(1, 4)
     tree_windows(tree_attention_mask_on_host(tree), torch.tensor([5]), tree.num_nodes, tree.valid, torch.zeros(1, dtype=torch.long), table, 4)

@@ -11,7 +11,6 @@ the same num_speculative_tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +19,7 @@ from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, candidate_shapes, chain_token_ids_of
+from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
@@ -92,10 +91,11 @@ class DDTreeProposer(DFlashProposer):
             # Trees are built and kept on the host (the scheduler takes them as lists anyway): one copy of
             # the top-k, a no-op on CPU.
             top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1).cpu() for t in self._top)
-            built = build_draft_trees_on_host(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget)
-            trees = built if self.tree_filter is None else self.tree_filter(built, top_logprobs, top_token_ids, shape.budget)
-            if trees is built:  # no grammar rebuilt a tree (its chain would not be the draft's rank-0 tokens)
-                trees = dataclasses.replace(trees, chain_token_ids=chain_token_ids_of(top_logprobs, top_token_ids))
+            # the trees keep the draft's chain; a tree a grammar rebuilt does not (its chain is not the
+            # draft's rank-0 tokens)
+            trees = build_draft_trees_on_host(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget, with_chain=True)
+            if self.tree_filter is not None:
+                trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
             self.last_trees = trees
             sizes = (trees.num_nodes - 1).tolist()
             return [nodes[:size] for nodes, size in zip(trees.token_ids[:, 1:].tolist(), sizes)]

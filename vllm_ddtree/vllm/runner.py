@@ -46,7 +46,6 @@ from vllm_ddtree.core import (
     BudgetPolicy,
     StepClock,
     TreeShape,
-    accepted_by_shape,
     compact_rows_,
     kv_compaction_plan,
 )
@@ -435,15 +434,15 @@ class DDTreeRunnerMixin:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
         assert self.clock is not None
         num_reqs = self.input_batch.num_reqs
-        discarded = int(self.discard_request_mask.np[:num_reqs].sum())
+        discarded = int(np.count_nonzero(self.discard_request_mask.np[:num_reqs]))
         used = self._step_shape
         if step is None or not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
         assert step.acceptance is not None
-        committed = int((output >= 0).sum()) - discarded
-        accepted = accepted_by_shape(
-            self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.drafted, step.target_token_ids
+        committed = int(np.count_nonzero(output.numpy() >= 0)) - discarded
+        accepted = host_tree.accepted_by_shape_on_host(
+            self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
         )
         self.clock.step_sampled(committed, accepted)
 
