@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tests.core.strategies import draft_tables
 from vllm_ddtree.core import accept_tree, build_draft_trees, chain_token_ids_of
 from vllm_ddtree.core.budget import (
+    FOLLOW_STEPS,
     OFF,
     AdaptiveBudget,
     SampleSpread,
@@ -114,6 +115,27 @@ def test_batch_sizes_are_timed_separately_and_share_tokens():
     assert policy.choose(1) == TreeShape(8)
     assert policy.choose(16) == TreeShape(7, 1)
     assert policy.tokens[TreeShape(4)].mean == pytest.approx(2.0)
+
+
+def test_a_rarely_visited_bucket_holds_its_neighbours_best_until_it_has_run_enough_steps():
+    """Batch 4's bucket has settled on off; the few steps of 2 requests (an offline batch's requests
+    reaching the engine one by one) hold off too, probing nothing, until their bucket has run
+    FOLLOW_STEPS timed steps; then it times the references itself (the chain first)."""
+    shapes = candidate_shapes(8, 7)
+    policy = AdaptiveBudget(shapes, explore=0.0)
+    tokens = {TreeShape(0, 1): 1.0, TreeShape(4): 1.2, TreeShape(7, 1): 1.3, TreeShape(8): 1.4}
+    seconds = {TreeShape(0, 1): 0.01, TreeShape(4): 0.03, TreeShape(7, 1): 0.03, TreeShape(8): 0.04}
+
+    def step(n: int) -> TreeShape:
+        shape = policy.choose(n)
+        policy.observe(n, shape, seconds[shape], {s: n * tokens[s] for s in nested_shapes(shapes, shape)})
+        return shape
+
+    for _ in range(200):
+        step(4)
+    assert policy.best_shape(4) == OFF
+    assert [step(2) for _ in range(FOLLOW_STEPS)] == [OFF] * FOLLOW_STEPS
+    assert TreeShape(7, 1) in [step(2) for _ in range(8)]  # its own choice from here on
 
 
 def test_exploration_is_seeded():

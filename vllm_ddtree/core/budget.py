@@ -65,7 +65,9 @@ neighbours, so a slope of small gains is walked to its end. At 4 or more request
 off: an offline batch's requests progress unevenly under speculation and leave a tail of steps running
 the slowest few, which no step's rate shows (`_rates`). The best shape is held for `hold` steps; a shape tried for
 timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
-requests finish, must not spend their steps probing).
+requests finish, must not spend their steps probing). A bucket that has run fewer than FOLLOW_STEPS
+timed steps, beside one that has run as many, holds that bucket's best instead of exploring (the steps
+of an offline batch whose requests reach the engine one by one).
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ cost (whose window holds more values)."""
 FEW_SAMPLES = 16
 """A rival measured on fewer steps than this is re-measured when a new request arrives at batch 1
 (`AdaptiveBudget.requests_arrived`)."""
+
+FOLLOW_STEPS = 32
+"""Timed steps before a bucket chooses for itself, while an adjacent bucket has run this many
+(`AdaptiveBudget._followed`)."""
 
 RETIME_AFTER_STEPS = 512
 """Timings older than this many steps of their batch-size bucket are re-taken (the machine's speed
@@ -531,6 +537,8 @@ class AdaptiveBudget:
         """(shape, steps to hold it)."""
         if self._rng is None:
             self._rng = torch.Generator().manual_seed(self.seed)
+        if (followed := self._followed(bucket)) is not None:
+            return self.shapes[followed], self.hold
         rates = self._rates(bucket)
         if not rates:
             return self.shapes[self._start_index(bucket)], self.probe_hold
@@ -660,6 +668,20 @@ class AdaptiveBudget:
         if bucket >= 2:
             rates = {i: rate if self.shapes[i].is_off else rate * (1 - self.batched_discount) for i, rate in rates.items()}
         return rates
+
+    def _followed(self, bucket: int) -> int | None:
+        """The held best of an adjacent bucket (the larger batch first) that has run FOLLOW_STEPS timed
+        steps, while this bucket has run fewer; else None (the bucket chooses for itself). A bucket
+        visited now and then, such as the few steps of 1-3 requests while an offline batch's requests
+        reach the engine one by one, would otherwise spend its rare steps timing the references and
+        climbing, each a probe (traced at batch 4, T=1, where off is right: 14 speculative steps in 16
+        `generate` calls, in buckets 1 and 2-3)."""
+        if self._bucket_steps.get(bucket, 0) >= FOLLOW_STEPS:
+            return None
+        for other in (bucket + 1, bucket - 1):
+            if self._bucket_steps.get(other, 0) >= FOLLOW_STEPS and other in self._best:
+                return self._best[other]
+        return None
 
     def _start_index(self, bucket: int) -> int:
         """Where an adjacent measured bucket's best shape is; else, when only far batch sizes were
