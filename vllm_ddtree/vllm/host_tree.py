@@ -354,9 +354,7 @@ def accepted_by_shape_on_host(
         _int64(tree.ranks), _int64(tree.parents), np.ascontiguousarray(tree.valid.numpy()), 0 if chain is None else chain.budget,
         _int64(tree.chain_token_ids) if read_ahead else none, _int64(target_token_ids) if read_ahead else none,
     ).tolist()
-    if chain is None:
-        return dict(zip(nested, counts))
-    return dict(zip([*nested, chain], counts))
+    return dict(zip(nested if chain is None else [*nested, chain], counts))  # without the chain, its count is dropped
 
 
 def _int64(tensor: torch.Tensor) -> np.ndarray:
