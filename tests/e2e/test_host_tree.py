@@ -11,11 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
-from vllm_ddtree.core import DraftTree, accept_tree, accepted_by_shape, build_draft_trees, candidate_shapes, chain_token_ids_of, tree_attention_mask
+from vllm_ddtree.core import (
+    DraftTree,
+    accept_tree,
+    accepted_by_shape,
+    build_draft_trees,
+    candidate_shapes,
+    chain_token_ids_of,
+    kv_compaction_plan,
+    tree_attention_mask,
+)
 from vllm_ddtree.vllm.host_tree import (
     accept_tree_on_host,
     accepted_by_shape_on_host,
     build_draft_trees_on_host,
+    kv_moves_on_host,
     tree_attention_mask_on_host,
     tree_windows,
 )
@@ -79,6 +89,22 @@ def test_compiled_walk_accepts_what_the_core_accepts(table, budget, dtype, data)
 
 
 @settings(max_examples=200)
+@given(draft_tables(max_depth=7, max_topk=4, vocab=4), st.integers(0, 40), st.data())
+def test_host_kv_moves_are_the_plans_real_moves(table, budget, data):
+    """Drafts and targets from a vocabulary of 4 (deep accepted paths, often off the first children): the moves are
+    exactly the core plan's entries with is_move, in its row-major order."""
+    tree = build_draft_trees(*table, budget)
+    target = torch.tensor(data.draw(st.lists(st.integers(0, 3), min_size=tree.token_ids.numel(), max_size=tree.token_ids.numel())))
+    acceptance = accept_tree(tree, target.view_as(tree.token_ids))
+    plan = kv_compaction_plan(acceptance)
+    requests, src, dst = kv_moves_on_host(acceptance)
+    expect_requests, expect_columns = plan.is_move.nonzero(as_tuple=True)
+    assert all(a.dtype == np.int64 for a in (requests, src, dst))
+    assert np.array_equal(requests, expect_requests.numpy())
+    assert np.array_equal(src, plan.src_offsets[expect_requests, expect_columns].numpy())
+    assert np.array_equal(dst, plan.dst_offsets[expect_requests, expect_columns].numpy())
+
+
 @given(st.integers(0, 2**31 - 1))
 def test_compiled_read_off_counts_what_the_core_counts(seed):
     """What every candidate shape would have accepted, read off a walked tree (`accepted_by_shape`):

@@ -120,15 +120,17 @@ class DDTreeCPUAttentionMetadata(CPUAttentionMetadata):
         kernel seq_len = its rows (a causal pass over its first positions; overwritten), and the kernel
         does not run when those requests are the whole batch."""
         self.tree = tree
-        query_lens = self.query_start_loc[1:] - self.query_start_loc[:-1]
-        own_rows = query_lens[rows.req_indices] == rows.num_nodes
-        requests = rows.req_indices[own_rows]
-        if int(rows.num_nodes[own_rows].sum()) == self.num_actual_tokens:
+        # host tensors, read in numpy (a few small operations at every tree step)
+        query_lens = np.diff(self.query_start_loc.numpy())
+        req_indices, num_nodes = rows.req_indices.numpy(), rows.num_nodes.numpy()
+        own_rows = query_lens[req_indices] == num_nodes
+        if int(num_nodes[own_rows].sum()) == self.num_actual_tokens:
             self.run_kernel = False
             return
-        if requests.numel() and self.reschedule is not None:
+        requests = req_indices[own_rows]
+        if requests.size and self.reschedule is not None:
             seq_lens = self.seq_lens.clone()
-            seq_lens[requests] = query_lens[requests].to(seq_lens.dtype)
+            seq_lens[torch.from_numpy(requests)] = torch.from_numpy(query_lens[requests]).to(seq_lens.dtype)
             self.seq_lens = seq_lens
             self.scheduler_metadata = self.reschedule(seq_lens=seq_lens)
 

@@ -38,21 +38,18 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
             assert isinstance(metadata, DDTreeCPUAttentionMetadata)
             metadata.attach_tree(tree, rows)
 
+    _moves_kv_on_host = True
+
     @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        # Host tensors here: dropping the plan's identity entries costs less than copying them (a chain
-        # or a path through each tree's first children moves nothing).
-        moves = src_slots != dst_slots
-        if not bool(moves.any()):
-            return
-        src_slots, dst_slots = src_slots[moves], dst_slots[moves]
         indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for layer in self._target_attention_layers():
             kv_cache = layer.kv_cache
             layout = probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype)
             key = (id(layout), layer.num_kv_heads)
-            if key not in indices:
-                indices[key] = (row_index(layout, src_slots, layer.num_kv_heads), row_index(layout, dst_slots, layer.num_kv_heads))
+            if key not in indices:  # one index computation for sources and destinations
+                both = row_index(layout, torch.cat([src_slots, dst_slots]), layer.num_kv_heads)
+                indices[key] = both.tensor_split(2, dim=1)
             move_rows(kv_cache, *indices[key])
 
     @override

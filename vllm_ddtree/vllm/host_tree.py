@@ -290,6 +290,15 @@ def accept_tree_on_host(tree: DraftTree, target_token_ids: torch.Tensor) -> Tree
     return TreeAcceptance(*map(torch.from_numpy, (accepted_nodes, num_accepted, output, bonus.astype(target.dtype, copy=False))))
 
 
+def kv_moves_on_host(acceptance: TreeAcceptance) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The real moves of `vllm_ddtree.core.kv_compaction_plan(acceptance)` (its entries with is_move), in
+    its row-major order: (requests, src_offsets, dst_offsets) [M] int64. Three numpy operations instead
+    of the plan's torch ones, which a host step reads back anyway to skip the identity entries."""
+    nodes = acceptance.accepted_nodes.numpy()
+    requests, dst_offsets = np.nonzero((nodes >= 0) & (nodes != np.arange(nodes.shape[1])))
+    return requests, nodes[requests, dst_offsets].astype(np.int64, copy=False), dst_offsets
+
+
 @_compiled
 def _accepted_counts(
     nodes: np.ndarray,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _BASE = 16  # digits 1..16 are exact in every float dtype a KV cache uses
@@ -30,6 +31,12 @@ class RegionLayout:
     @property
     def block_size(self) -> int:
         return self.key_offsets.shape[0]
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """[2, block_size, head_size]: key_offsets and value_offsets stacked, as numpy (`row_index` runs at
+        every step whose accepted nodes move: a handful of numpy operations, not torch's)."""
+        return torch.stack([self.key_offsets, self.value_offsets]).numpy()
 
     @functools.cached_property
     def key_strides(self) -> tuple[int, int, int] | None:
@@ -92,13 +99,13 @@ def probe_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) 
 
 def row_index(layout: RegionLayout, slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[2, S, num_kv_heads, head_size] flat element indices (keys, values) of the tokens at `slots` [S]
-    in a contiguous cache [num_blocks, num_kv_heads, block_size, 2 * head_size] of this layout."""
+    (a host tensor) in a contiguous cache [num_blocks, num_kv_heads, block_size, 2 * head_size] of this
+    layout."""
     block_size, head_size = layout.key_offsets.shape
     region = 2 * block_size * head_size
-    slots = slots.long()
-    base = ((slots // block_size) * num_kv_heads).view(-1, 1, 1) + torch.arange(num_kv_heads).view(1, -1, 1)
-    offsets = torch.stack([layout.key_offsets, layout.value_offsets])[:, slots % block_size]
-    return base.unsqueeze(0) * region + offsets.unsqueeze(2)
+    blocks, rows = np.divmod(slots.numpy().astype(np.int64, copy=False), block_size)
+    regions = (blocks[:, None] * num_kv_heads + np.arange(num_kv_heads)) * region  # [S, num_kv_heads]
+    return torch.from_numpy(regions[None, :, :, None] + layout.offsets[:, rows, None, :])
 
 
 def block_run(kv_cache: torch.Tensor, first_block: int, num_blocks: int, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:

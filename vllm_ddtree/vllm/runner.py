@@ -146,6 +146,10 @@ class DDTreeRunnerMixin:
         self.clock = StepClock(policy)
 
     # ---- platform layer ----------------------------------------------------------------------------
+    _moves_kv_on_host = False
+    """The platform's KV cache lives on the host: `_move_kv_rows` gets the real moves only (read on the
+    host); else every plan entry, identity ones included (fixed shapes, nothing read back)."""
+
     def _step_slot_mapping(self) -> torch.Tensor:
         """This step's per-row KV slots (computed by vLLM's `_prepare_inputs`; one KV cache group)."""
         raise NotImplementedError
@@ -447,21 +451,23 @@ class DDTreeRunnerMixin:
         self.clock.step_sampled(committed, accepted)
 
     def _compact_target_kv(self, step: TreeStep) -> None:
-        """Fill `step.plan` and move the accepted nodes' K/V to rows start + k in every target layer
-        (the draft's layers are rewritten from the context on the next draft pass). A batch of chains
-        has no plan: each accepted path is its window's first rows, where its K/V already is."""
+        """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are
+        rewritten from the context on the next draft pass); on a device, fill `step.plan`. A batch of
+        chains moves nothing: each accepted path is its window's first rows, where its K/V already is."""
         assert step.acceptance is not None and step.node_slots is not None
         if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
         if not step.has_branching:
             return
-        plan = step.plan = kv_compaction_plan(step.acceptance)
+        slots = step.node_slots
+        if self._moves_kv_on_host:  # the real moves only (a path through first children has none)
+            requests, src, dst = step.kv_moves()
+            if requests.size:
+                self._move_kv_rows(slots[requests, src], slots[requests, dst])
+            return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
-        # Host plans are read: a step whose accepted paths all sit in place (e.g. chains) moves nothing.
-        slots = step.node_slots
-        if plan.is_move.device.type == "cpu" and slots.device.type == "cpu" and not bool(plan.is_move.any()):
-            return
+        plan = step.plan = kv_compaction_plan(step.acceptance)
         src = slots.gather(1, plan.src_offsets.to(slots.device)).flatten()
         self._move_kv_rows(src, slots.gather(1, plan.dst_offsets.to(slots.device)).flatten())
 
@@ -556,13 +562,12 @@ class DDTreeRunnerMixin:
         accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
         if step.has_branching:  # chains already sit at linear positions
             self._set_positions(*step.linear_positions())
-        plan = step.plan
-        if plan is None or not bool(plan.is_move.any()):  # every accepted path already sits in path order
+        requests, src, dst = step.kv_moves()
+        if not requests.size:  # every accepted path already sits in path order
             return aux_hidden_states
-        src, dst = plan.rows(step.root_rows)
-        moves = plan.is_move.flatten()
         device = aux_hidden_states[0].device
-        src, dst = src[moves].to(device), dst[moves].to(device)
+        root_rows = step.root_rows.numpy()[requests]
+        src, dst = torch.from_numpy(root_rows + src).to(device), torch.from_numpy(root_rows + dst).to(device)
         reordered = []
         for states in aux_hidden_states:
             states = states.clone()

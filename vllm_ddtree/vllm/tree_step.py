@@ -7,9 +7,10 @@ Lifecycle (the runner owns at most one `TreeStep`, `DDTreeRunnerMixin.step`):
    root alone); the runner then fills `node_slots` and the verify rows' RoPE positions.
 2. `_build_attention_metadata`: the platform's attention reads `attention_rows()` for the masks of
    the branching trees.
-3. `_sample`: `target_token_ids` (one token per node, by the core's sampling rule), `acceptance` (the
-   walk) and `plan` (KV compaction) are filled; the output rows are `acceptance.output_token_ids`.
-4. `propose_draft_token_ids`: the drafter's context is put in path order (`plan`); the drafter's new
+3. `_sample`: `target_token_ids` (one token per node, by the core's sampling rule) and `acceptance`
+   (the walk) are filled, and the accepted nodes' K/V move (`kv_moves`; on a device every entry of
+   `plan`); the output rows are `acceptance.output_token_ids`.
+4. `propose_draft_token_ids`: the drafter's context is put in path order (`kv_moves`); the drafter's new
    trees become the next step's `Proposals`.
 The step is replaced by the next step's `build` (tests and benchmarks read it in between).
 
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance
-from vllm_ddtree.vllm.host_tree import tree_attention_mask_on_host
+from vllm_ddtree.vllm.host_tree import kv_moves_on_host, tree_attention_mask_on_host
 
 
 @dataclass(frozen=True)
@@ -147,8 +148,8 @@ class TreeStep:
       has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
     Filled by the runner:
       node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`; steps with drafts only);
-      target_token_ids [R, N], acceptance, plan: `_sample` (plan None when every tree is a chain: no
-      K/V moves).
+      target_token_ids [R, N], acceptance: `_sample`; plan: `_sample`, on a platform whose KV cache is
+      on a device (a host cache moves `kv_moves()`), None when every tree is a chain (no K/V moves).
     """
 
     root_rows: torch.Tensor
@@ -314,13 +315,12 @@ class TreeStep:
     def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
         (every other row already has its linear position)."""
-        return self._select_nodes(self.starts.unsqueeze(1) + self.tree.depths)
+        return self._select_nodes(self.starts.numpy()[:, None] + self.tree.depths.numpy())
 
     def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, positions) of the branching trees' nodes once each window is read as a chain:
-        start + i (what the drafter expects after `plan` put the accepted path first)."""
-        offsets = torch.arange(self.tree.nodes_per_request).unsqueeze(0)
-        return self._select_nodes((self.starts.unsqueeze(1) + offsets).expand_as(self.tree.valid))
+        start + i (what the drafter expects once the accepted path is put first, `kv_moves`)."""
+        return self._select_nodes(self.starts.numpy()[:, None] + np.arange(self.tree.nodes_per_request))
 
     def attention_rows(self) -> TreeRows | None:
         """The branching trees' rows for the tree attention; None when every tree is a chain."""
@@ -345,6 +345,17 @@ class TreeStep:
             node_rows=self.node_rows()[branching],
         )
 
+    def kv_moves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(requests, src_offsets, dst_offsets) [M]: the K/V rows that move inside the verify windows once
+        `acceptance` is known (`host_tree.kv_moves_on_host`: the real moves of the core's plan). Computed
+        once per step."""
+        return self._kv_moves
+
+    @functools.cached_property
+    def _kv_moves(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        assert self.acceptance is not None
+        return kv_moves_on_host(self.acceptance)
+
     def node_logit_rows(self) -> torch.Tensor:
         """[R, N] row of each node's logits in the step's logits, which hold 1 + num_drafts rows per
         request in batch order (vLLM's spec-decode logits; one row per request without drafts).
@@ -363,10 +374,11 @@ class TreeStep:
         """[R, N] the sequence position of the token each node draws: root position + depth + 1."""
         return self.starts.unsqueeze(1) + self.tree.depths + 1
 
-    def _select_nodes(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _select_nodes(self, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, values [R, N] of those rows) of the branching trees' valid nodes (flattened directly when
-        that is every node: boolean selection is the slow path on CPU)."""
-        select = self.tree.valid & self.branching().unsqueeze(1)
-        if bool(select.all()):
-            return self.node_rows().flatten(), values.flatten()
-        return self.node_rows()[select], values[select]
+        that is every node). Host arrays in numpy: a few small operations per step, each several times
+        cheaper than torch's."""
+        select = self.tree.valid.numpy() & self.branching().numpy()[:, None]
+        if select.all():
+            return self.node_rows().flatten(), torch.from_numpy(values.reshape(-1))
+        return torch.from_numpy(self.node_rows().numpy()[select]), torch.from_numpy(values[select])
