@@ -18,6 +18,7 @@ from vllm_ddtree.core.budget import (
     OFF,
     AdaptiveBudget,
     SampleSpread,
+    SamplingRegimes,
     StepClock,
     TreeShape,
     accepted_by_shape,
@@ -769,3 +770,31 @@ def test_a_tree_held_beside_the_chain_still_re_times_the_next_tree():
                 held_at = step - 60
         assert held_at is not None and held_at <= 100, (seed, held_at)
         assert chosen[-500:].count(TreeShape(8)) > 450, seed
+
+
+def run_regime(policy: AdaptiveBudget | SamplingRegimes, greedy: bool, rates: dict[TreeShape, float], steps: int) -> list[TreeShape]:
+    """`simulate` at batch 1, each step's batch greedy or sampling (told to a `SamplingRegimes` first)."""
+    chosen = []
+    for _ in range(steps):
+        if isinstance(policy, SamplingRegimes):
+            policy.use(greedy)
+        shape = policy.choose(1)
+        chosen.append(shape)
+        policy.observe(1, shape, 0.01, {shape: rates[shape] * 0.01})
+    return chosen
+
+
+def test_each_sampling_regime_resumes_with_its_own_best_shape():
+    """Greedy requests, then sampled ones (off is best), then greedy again: the greedy regime's tree is
+    held again from the first steps, its estimates untouched by the sampled text; the sampled steps went
+    to their own policy. (Pooled, off measures no tree's tokens while it holds, and the trees return
+    only as re-probes find them.)"""
+    shapes = candidate_shapes(16, 7)  # off, 4, chain of 7, 8, 16
+    greedy = {OFF: 100.0, TreeShape(4): 125.0, TreeShape(7, 1): 120.0, TreeShape(8): 140.0, TreeShape(16): 130.0}
+    sampled = {OFF: 100.0, TreeShape(4): 90.0, TreeShape(7, 1): 85.0, TreeShape(8): 80.0, TreeShape(16): 70.0}
+    regimes = SamplingRegimes(shapes)
+    assert run_regime(regimes, True, greedy, 300)[-100:].count(TreeShape(8)) >= 80  # the rest: probes
+    assert run_regime(regimes, False, sampled, 600)[-100:].count(OFF) >= 90
+    assert set(regimes.policies) == {True, False}
+    assert regimes.policies[True]._observed_steps == 300 and regimes.policies[False]._observed_steps == 600
+    assert run_regime(regimes, True, greedy, 50).count(TreeShape(8)) >= 40  # pooled: off on all 50 (seed 0)

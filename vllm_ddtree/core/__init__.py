@@ -9,6 +9,7 @@ from vllm_ddtree.core.budget import (
     OFF,
     AdaptiveBudget,
     BudgetPolicy,
+    SamplingRegimes,
     StepClock,
     TreeShape,
     accepted_by_shape,
@@ -32,6 +33,7 @@ from vllm_ddtree.core.tree import DraftTree, build_draft_trees, chain_token_ids_
 __all__ = [
     "OFF",
     "AdaptiveBudget",
+    "SamplingRegimes",
     "BudgetPolicy",
     "DraftTree",
     "KVCompactionPlan",

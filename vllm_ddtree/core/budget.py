@@ -696,3 +696,48 @@ class AdaptiveBudget:
             return self.shapes.index(OFF)
         trees = [i for i, shape in enumerate(self.shapes) if shape.topk is None and shape.budget >= 8]
         return trees[0] if trees else len(self.shapes) - 1
+
+
+@dataclass
+class SamplingRegimes:
+    """The module's policy kept apart for greedy batches and batches that sample (any request at T > 0):
+    one `AdaptiveBudget` each, made with `params` on first use. The runner names the regime of each
+    step's batch (`use`) before the step chooses the next step's shape; the choice and the step's own
+    observation (reported when the next step starts, before its `use`) go to that regime's policy.
+
+    Acceptance depends on the sampling as much as on the text (greedy trees accept several tokens per
+    step where sampling accepts about one), and a policy holding off measures no speculative shape's
+    tokens: pooled over regimes, a server that turns from sampled requests back to greedy ones held off
+    on estimates from sampled text until re-probes found the trees again (traced at batch 1, the demo
+    pair, 8 greedy requests after 32 sampled ones: 354 steps off before trees of 8 held, the call 26%
+    slower than the same call later). Apart, each regime resumes with its own held shape and estimates,
+    its steps' timings re-measuring the machine's speed (`AdaptiveBudget._time`)."""
+
+    shapes: list[TreeShape]
+    params: dict[str, float | int] = field(default_factory=dict)
+    policies: dict[bool, AdaptiveBudget] = field(default_factory=dict)
+    greedy: bool = True
+
+    def use(self, greedy: bool) -> None:
+        """This step's batch is greedy (every request at T = 0), or samples."""
+        self.greedy = greedy
+
+    @property
+    def policy(self) -> AdaptiveBudget:
+        """The policy of the regime in use."""
+        policy = self.policies.get(self.greedy)
+        if policy is None:
+            policy = self.policies[self.greedy] = AdaptiveBudget(self.shapes, **self.params)
+        return policy
+
+    def choose(self, num_requests: int) -> TreeShape:
+        return self.policy.choose(num_requests)
+
+    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
+        self.policy.observe(num_requests, used, seconds, tokens)
+
+    def requests_arrived(self, num_requests: int) -> None:
+        """Told to every regime's policy: the new request's regime is not known yet, and new text is new
+        to either."""
+        for policy in self.policies.values():
+            policy.requests_arrived(num_requests)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+from vllm_ddtree.core import SamplingRegimes
 from vllm_ddtree.demo.side_by_side import SpecCounters, decode_steps, tokens_per_decode_step
 from vllm_ddtree.demo.stats import StepSplit, step_split
 from vllm_ddtree.vllm.stage_times import ENV_FLAG as STAGE_TIMES_FLAG
@@ -283,8 +284,9 @@ def runner_state(worker: Any) -> tuple[dict[str, float] | None, dict[str, int] |
     if policy is None:
         return stages, None
     steps: Counter[str] = Counter()
-    for (_, shape), costs in policy.costs.items():
-        steps[shape_label(shape)] += costs.steps
+    for regime in policy.policies.values() if isinstance(policy, SamplingRegimes) else (policy,):
+        for (_, shape), costs in regime.costs.items():
+            steps[shape_label(shape)] += costs.steps
     return stages, dict(steps)
 
 

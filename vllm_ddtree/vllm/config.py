@@ -81,7 +81,8 @@ class DDTreeConfig:
 
     budget: draft nodes verified per step (root excluded), in 1..MAX_BUDGET.
     topk: cap on candidates per draft position, >= 1; None means no cap beyond the budget.
-    adaptive: budget is a cap; each step's tree shape comes from `core.budget.AdaptiveBudget`.
+    adaptive: budget is a cap; each step's tree shape comes from `core.budget.AdaptiveBudget` (one per sampling
+    regime, `core.budget.SamplingRegimes`).
     """
 
     budget: int

@@ -19,7 +19,7 @@ from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import AdaptiveBudget, BudgetPolicy, DraftTree, TreeShape, candidate_shapes
+from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
@@ -49,7 +49,7 @@ class DDTreeProposer(DFlashProposer):
         """Set by the runner: rebuilds some requests' trees from the same top-k (structured outputs:
         only grammar-admitted candidates, `NodeGrammars.filtered_trees`)."""
         depth = min(ddtree.budget, self.max_depth)
-        self.budget_policy: BudgetPolicy | None = AdaptiveBudget(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
+        self.budget_policy: BudgetPolicy | None = SamplingRegimes(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self._candidates = 1
         self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

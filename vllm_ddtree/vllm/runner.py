@@ -44,6 +44,7 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.core import (
     BudgetPolicy,
+    SamplingRegimes,
     StepClock,
     TreeShape,
     compact_rows_,
@@ -248,6 +249,8 @@ class DDTreeRunnerMixin:
     def _choose_next_shape(self) -> TreeShape:
         """The shape of the drafts this step drafts for the next one (once per step)."""
         if not self._next_shape_chosen:
+            if isinstance(policy := self.drafter.budget_policy, SamplingRegimes):  # this batch's regime
+                policy.use(bool(self.input_batch.sampling_metadata.all_greedy))
             self.drafter.choose_shape(self.input_batch.num_reqs)
             self._next_shape_chosen = True
         return self.drafter.last_shape
