@@ -68,6 +68,8 @@ timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the ta
 requests finish, must not spend their steps probing). A bucket that has run fewer than FOLLOW_STEPS
 timed steps, beside one that has run as many, holds that bucket's best instead of exploring (the steps
 of an offline batch whose requests reach the engine one by one).
+Greedy batches and batches that sample (any request at T > 0) keep apart policies (`SamplingRegimes`):
+their acceptance differs most, and each regime resumes with its own best shape when the traffic turns.
 """
 
 from __future__ import annotations
