@@ -33,10 +33,10 @@ from vllm_ddtree.core.tree import DraftTree, build_draft_trees, chain_token_ids_
 __all__ = [
     "OFF",
     "AdaptiveBudget",
-    "SamplingRegimes",
     "BudgetPolicy",
     "DraftTree",
     "KVCompactionPlan",
+    "SamplingRegimes",
     "StepClock",
     "TreeAcceptance",
     "TreeSamplingParams",

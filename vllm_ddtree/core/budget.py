@@ -711,8 +711,8 @@ class SamplingRegimes:
     step where sampling accepts about one), and a policy holding off measures no speculative shape's
     tokens: pooled over regimes, a server that turns from sampled requests back to greedy ones held off
     on estimates from sampled text until re-probes found the trees again (traced at batch 1, the demo
-    pair, 8 greedy requests after 32 sampled ones: 354 steps off before trees of 8 held, the call 26%
-    slower than the same call later). Apart, each regime resumes with its own held shape and estimates,
+    pair, 8 greedy requests after 32 sampled ones: 354 steps off before trees of 8 held, the 8 requests
+    26% slower than the same 8 later). Apart, each regime resumes with its own held shape and estimates,
     its steps' timings re-measuring the machine's speed (`AdaptiveBudget._time`)."""
 
     shapes: list[TreeShape]
