@@ -72,7 +72,7 @@ def test_kv_compaction_moves_accepted_rows_to_the_front(table, budget, seed):
     for r in range(num_req):
         path = acc.accepted_nodes[r, : int(acc.num_accepted[r])]
         expected[starts[r] : starts[r] + len(path)] = cache[starts[r] + path]
-    src, dst = plan.rows(starts)
+    src, dst = (starts.view(-1, 1) + plan.src_offsets).flatten(), (starts.view(-1, 1) + plan.dst_offsets).flatten()
     assert bool((src >= dst).all())
     batched = cache.clone()
     compact_rows_(batched, src, dst)

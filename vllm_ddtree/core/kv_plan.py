@@ -29,11 +29,6 @@ class KVCompactionPlan:
     dst_offsets: torch.Tensor
     is_move: torch.Tensor
 
-    def rows(self, window_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat (src_rows, dst_rows) [R*D] given each request's first window row [R]."""
-        base = window_start.view(-1, 1)
-        return (base + self.src_offsets).flatten(), (base + self.dst_offsets).flatten()
-
 
 def kv_compaction_plan(acceptance: TreeAcceptance) -> KVCompactionPlan:
     nodes = acceptance.accepted_nodes
