@@ -798,3 +798,44 @@ def test_each_sampling_regime_resumes_with_its_own_best_shape():
     assert set(regimes.policies) == {True, False}
     assert regimes.policies[True]._observed_steps == 300 and regimes.policies[False]._observed_steps == 600
     assert run_regime(regimes, True, greedy, 50).count(TreeShape(8)) >= 40  # pooled: off on all 50 (seed 0)
+
+
+BATCH_4_SECONDS = {OFF: 0.004, TreeShape(4): 0.014, TreeShape(7, 1): 0.016, TreeShape(8): 0.017, TreeShape(16): 0.02, TreeShape(32): 0.026}
+BATCH_4_TOKENS = {OFF: 1.0, TreeShape(4): 2.0, TreeShape(7, 1): 2.5, TreeShape(8): 2.2, TreeShape(16): 2.4, TreeShape(32): 2.5}
+
+
+def test_the_held_shapes_timing_noise_does_not_move_its_rivals_seconds():
+    """Off held at batch 4 (speculation costs 3.5-6.5 off steps for at most 2.5 tokens), its steps timed
+    with 10% noise, no re-probes: the rivals' seconds, read against off's, stay where they were timed.
+    Were the held shape's steps to update its own cost as well as the speed, the split of its seconds
+    into the two would random-walk, and with it every rival's reading (measured: the chain's ratio to
+    off read as low as 2.35 within these steps, its cost 4.0)."""
+    policy = AdaptiveBudget(candidate_shapes(32, 7), explore=0.0, reprobe=0.0)
+    noise = random.Random(0)
+    ratios = []
+    for step in range(20000):
+        shape = policy.choose(4)
+        seconds = BATCH_4_SECONDS[shape] * noise.lognormvariate(0.0, 0.1)
+        policy.observe(4, shape, seconds, {s: 4 * BATCH_4_TOKENS[s] for s in reported_shapes(policy.shapes, shape)})
+        if step >= 1000 and step % 100 == 0:
+            assert shape == OFF
+            ratios.append(policy.seconds(2, TreeShape(7, 1)) / policy.seconds(2, OFF))
+    assert 0.85 * 4.0 < min(ratios) and max(ratios) < 1.15 * 4.0, (min(ratios), max(ratios))
+
+
+def test_a_rival_far_behind_the_best_is_re_timed_rarely_but_still_re_timed():
+    """Off held at batch 4, the rivals' rates 0.5x and less of off's: their timings are re-taken once
+    they are RETIME_AFTER_STEPS x (how many times slower)^2 steps old (2048 for the chain), not every
+    RETIME_AFTER_STEPS (no confidence bound and no exploration here, so only re-timing probes), yet
+    every such rival is re-timed within 10000 steps: the policy never stops measuring."""
+    policy = AdaptiveBudget(candidate_shapes(32, 7), explore=0.0, confidence=0.0, batched_confidence=0.0)
+    probes: dict[TreeShape, list[int]] = {}
+    for step in range(10000):
+        shape = policy.choose(4)
+        if step >= 200 and not shape.is_off:
+            probes.setdefault(shape, []).append(step)
+        policy.observe(4, shape, BATCH_4_SECONDS[shape], {s: 4 * BATCH_4_TOKENS[s] for s in reported_shapes(policy.shapes, shape)})
+    assert set(probes) == {TreeShape(4), TreeShape(7, 1)}  # off's neighbour and the chain
+    for steps in probes.values():
+        episodes = [s for i, s in enumerate(steps) if i == 0 or s - steps[i - 1] > 10]
+        assert len(episodes) >= 2 and all(b - a > 1500 for a, b in zip(episodes, episodes[1:])), steps

@@ -48,7 +48,8 @@ rate overstates what speculation gains a batch end to end (requests finish at di
 batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
 of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
 evidence before it re-probes its way onto speculation (off measures nothing else while it holds);
-else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts).
+else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts),
+times the square of how far its rate is behind the best's (paired timings age only in their ratio).
 At batch 1 a new request is new text: its first doubted rival is re-measured even when the credit
 cannot pay, while that rival has been measured on fewer than FEW_SAMPLES steps (`requests_arrived`). And with probability `explore` (seeded) a
 random rival (a probe kept with probability 1 / its step's cost in steps of the best shape, so re-timing
@@ -181,6 +182,12 @@ class RecentMedian:
         self.steps += 1
         self.last_step = step
         self._median = None
+
+    def count(self, step: int = 0) -> None:
+        """A step measured without a value kept (`AdaptiveBudget._time`: the held shape's steps measure
+        the machine's speed instead): counted, and its step is the last."""
+        self.steps += 1
+        self.last_step = step
 
     @property
     def mean(self) -> float:
@@ -482,19 +489,28 @@ class AdaptiveBudget:
             self.spread.setdefault(shape, SampleSpread()).add(count / requests, requests, self.samples_decay, self._observed_steps)
 
     def _time(self, bucket: int, used: TreeShape, seconds: float) -> None:
-        """Paired timing: seconds = the machine's speed now x the shape's cost. A step of a shape whose
-        cost rests on a full window of steps (in practice the held shape) measures the speed (seconds /
-        cost; the median of the bucket's last SPEED_WINDOW such steps); every step adds seconds / that
-        speed to its shape's costs. So costs measured minutes apart compare as if measured together: a
-        probe timed while the machine ran at half speed (this VM drifts 2x within a minute) is charged
-        its cost, not the slowdown, as the held shape's steps around it carry the slowdown into the
-        speed. A probe's own steps never move the speed: a cost measured wrongly (a slow moment) would
-        otherwise explain its next steps away as a change of speed, and never be corrected."""
+        """Paired timing: seconds = the machine's speed now x the shape's cost. A step of the bucket's
+        held best (before it holds one: of any shape), once its cost rests on a full window of steps,
+        measures the speed (seconds / cost; the median of the bucket's last SPEED_WINDOW such steps) and
+        leaves that cost as it is; every other step adds seconds / the speed to its shape's costs. So
+        costs measured minutes apart compare as if measured together: a probe timed while the machine
+        ran at half speed (this VM drifts 2x within a minute) is charged its cost, not the slowdown, as
+        the held shape's steps around it carry the slowdown into the speed. A probe's own steps never
+        move the speed: a cost measured wrongly (a slow moment) would otherwise explain its next steps
+        away as a change of speed, and never be corrected. And the held shape's steps never move its
+        own cost: fed both ways, the split of its seconds into cost and speed random-walks (simulated,
+        off held at batch 4, 4 ms steps with 10% noise: the speed wandered over 0.72-1.16 in 20000
+        steps, and a tree of 4 timed once at 16 ms read 11.4-18.6 ms), and with it every rival's
+        seconds; the held shape's cost is its first full window's, the speed its ratio to now."""
         speed = self.speed.setdefault(bucket, RecentMedian(SPEED_WINDOW))
         costs = self.costs.setdefault((bucket, used), RecentMedian(self.seconds_window))
-        if len(costs.values) == costs.window and costs.mean > 0:  # only a well-measured cost measures the speed
+        best = self._best.get(bucket)
+        step = self._bucket_steps.get(bucket, 0)
+        if len(costs.values) == costs.window and costs.mean > 0 and (best is None or self.shapes[best] == used):
             speed.add(seconds / costs.mean, self._observed_steps)
-        costs.add(seconds / (speed.mean if speed.values else 1.0), self._bucket_steps.get(bucket, 0))
+            costs.count(step)
+        else:
+            costs.add(seconds / (speed.mean if speed.values else 1.0), step)
 
     def seconds(self, bucket: int, shape: TreeShape) -> float | None:
         """A step of `shape` in `bucket` at the machine's speed now (None until timed)."""
@@ -584,8 +600,8 @@ class AdaptiveBudget:
 
     def _reprobed(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival to re-measure now, if any, paid from this bucket's re-probe credit (`reprobe` of its
-        timed seconds): the most doubted one (`_doubted`), else the one whose timing is oldest, once
-        older than RETIME_AFTER_STEPS of the bucket's steps (the machine's speed drifts; off's tokens are exact,
+        timed seconds): the most doubted one (`_doubted`), else the one whose timing is most overdue, once
+        older than `_retime_after` of the bucket's steps (the machine's speed drifts; off's tokens are exact,
         so only this and `explore` re-time it). The credit is not capped: a timing taken while the
         machine was slow makes its own re-timing look costly."""
         timed = [i for i in rivals if i in rates]
@@ -594,15 +610,32 @@ class AdaptiveBudget:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
             return rival
         if rival is None:
-            ages = {i: self._bucket_steps.get(bucket, 0) - self.costs[(bucket, self.shapes[i])].last_step for i in timed}
-            rival = max(ages, key=ages.get, default=None)
-            if rival is None or ages[rival] <= RETIME_AFTER_STEPS:
+            overdue = {
+                i: (self._bucket_steps.get(bucket, 0) - self.costs[(bucket, self.shapes[i])].last_step) / self._retime_after(rates, best, i)
+                for i in timed
+            }
+            rival = max(overdue, key=overdue.get, default=None)
+            if rival is None or overdue[rival] <= 1:
                 return None
         extra = self._probe_cost(bucket, rates, best, rival)
         if self.credit.get(bucket, 0.0) < extra:
             return None
         self.credit[bucket] -= extra
         return rival
+
+    def _retime_after(self, rates: dict[int, float], best: int, rival: int) -> float:
+        """Bucket steps after which `rival`'s timing is re-taken: RETIME_AFTER_STEPS, times the square of
+        how many times the held best's rate exceeds the rival's (at least 1). Timings are paired (`_time`),
+        so the machine's drift moves all shapes' seconds alike and what ages is only their ratio, which
+        drifts little: the further a rival is behind, the less likely drift alone lifts it over the best
+        (a stale token estimate is `_doubted`'s to re-measure). Traced at batch 4, T=0, where off runs
+        at 2-3x the speculative shapes' rates: re-timed every 512 steps, the chain and the tree of 4
+        cost 2% of the run (each probe 30-45 ms over 0.55 s rounds of 128 steps). Off is re-timed at
+        RETIME_AFTER_STEPS: its step is the cheapest there is and its tokens are exact, so only a slow
+        timing can make it look behind."""
+        if self.shapes[rival].is_off:
+            return RETIME_AFTER_STEPS
+        return RETIME_AFTER_STEPS * max(1.0, rates[best] / rates[rival]) ** 2
 
     def _doubted(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival whose upper confidence rate beats the held best by the margin a switch needs, by the
