@@ -39,7 +39,7 @@ neighbours, past the chain where it is one: the chain is no tree; and the refere
 again in two ways. Re-probes, paid from a credit of
 `reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
 rival whose upper confidence rate (tokens plus some standard errors, which grow as its samples age:
-`SampleSpread`) would win the switch, so an estimate taken on other text, or from a request's first
+`SampleSpread`; the error capped at half the range of a step's tokens) would win the switch, so an estimate taken on other text, or from a request's first
 steps at batch 1 (where drafts accept fewer tokens than later in its output), is not kept for hundreds
 of steps. At batch 1 the doubt is wider (0.75 standard errors, the sample variance shrunk towards a
 range prior with the weight of 8 steps; larger batches: 0.5 and 2): a step there brings one request's
@@ -652,7 +652,10 @@ class AdaptiveBudget:
             shape = self.shapes[i]
             if not shape.is_off:
                 spread, tokens = self.spread[shape], self.expected_tokens(bucket, shape)
-                error = spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps)
+                # however old its samples, an estimate of a count confined to a range of width D is not
+                # uncertain by more than D / 2: a rival far behind is doubted never, not every few hundred
+                # steps as its samples age (re-timing and exploration still re-measure it)
+                error = min(spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps), math.sqrt(prior_variance))
                 upper = max(tokens, spread.recent_mean) + confidence * error
                 doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
         rival = max(doubts, key=doubts.get, default=None)
