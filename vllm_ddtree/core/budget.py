@@ -39,9 +39,9 @@ neighbours, past the chain where it is one: the chain is no tree; and the refere
 again in two ways. Re-probes, paid from a credit of
 `reprobe` (1.5%) of the bucket's timed seconds, each charged what it costs over the best shape: a
 rival whose upper confidence rate (tokens plus some standard errors, which grow as its samples age:
-`SampleSpread`; the error capped at half the range of a step's tokens) would win the switch, so an estimate taken on other text, or from a request's first
-steps at batch 1 (where drafts accept fewer tokens than later in its output), is not kept for hundreds
-of steps. At batch 1 the doubt is wider (0.75 standard errors, the sample variance shrunk towards a
+`SampleSpread`; the error capped at half the range of a step's tokens) would win the switch, so an
+estimate taken on other text, or from a request's first steps at batch 1 (where drafts accept fewer
+tokens than later in its output), is not kept for hundreds of steps. At batch 1 the doubt is wider (0.75 standard errors, the sample variance shrunk towards a
 range prior with the weight of 8 steps; larger batches: 0.5 and 2): a step there brings one request's
 sample, and its rate is the end-to-end rate; a larger batch's step brings one per request, and its
 rate overstates what speculation gains a batch end to end (requests finish at different steps, the
@@ -62,10 +62,10 @@ Hysteresis: the best shape of a bucket changes only when a rival's rate beats it
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
 the batch's tail) needs stronger evidence; the climb still follows the measured leader's unmeasured
-neighbours, so a slope of small gains is walked to its end. At 4 or more requests speculative shapes' rates are discounted by `batched_discount` (35%) against
-off: an offline batch's requests progress unevenly under speculation and leave a tail of steps running
-the slowest few, which no step's rate shows (`_rates`). The best shape is held for `hold` steps; a shape tried for
-timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
+neighbours, so a slope of small gains is walked to its end. At 4 or more requests speculative shapes'
+rates are discounted by `batched_discount` (35%) against off: an offline batch's requests progress
+unevenly under speculation and leave a tail of steps running the slowest few, which no step's rate
+shows (`_rates`). The best shape is held for `hold` steps; a shape tried for timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
 requests finish, must not spend their steps probing). A bucket that has run fewer than FOLLOW_STEPS
 timed steps, beside one that has run as many, holds that bucket's best instead of exploring (the steps
 of an offline batch whose requests reach the engine one by one).
@@ -610,10 +610,8 @@ class AdaptiveBudget:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
             return rival
         if rival is None:
-            overdue = {
-                i: (self._bucket_steps.get(bucket, 0) - self.costs[(bucket, self.shapes[i])].last_step) / self._retime_after(rates, best, i)
-                for i in timed
-            }
+            now = self._bucket_steps.get(bucket, 0)
+            overdue = {i: (now - self.costs[(bucket, self.shapes[i])].last_step) / self._retime_after(rates, best, i) for i in timed}
             rival = max(overdue, key=overdue.get, default=None)
             if rival is None or overdue[rival] <= 1:
                 return None
@@ -655,7 +653,8 @@ class AdaptiveBudget:
                 # however old its samples, an estimate of a count confined to a range of width D is not
                 # uncertain by more than D / 2: a rival far behind is doubted never, not every few hundred
                 # steps as its samples age (re-timing and exploration still re-measure it)
-                error = min(spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps), math.sqrt(prior_variance))
+                error = spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps)
+                error = min(error, math.sqrt(prior_variance))
                 upper = max(tokens, spread.recent_mean) + confidence * error
                 doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
         rival = max(doubts, key=doubts.get, default=None)
