@@ -41,8 +41,9 @@ again in two ways. Re-probes, paid from a credit of
 rival whose upper confidence rate (tokens plus some standard errors, which grow as its samples age:
 `SampleSpread`; the error capped at half the range of a step's tokens) would win the switch, so an
 estimate taken on other text, or from a request's first steps at batch 1 (where drafts accept fewer
-tokens than later in its output), is not kept for hundreds of steps. At batch 1 the doubt is wider (0.75 standard errors, the sample variance shrunk towards a
-range prior with the weight of 8 steps; larger batches: 0.5 and 2): a step there brings one request's
+tokens than later in its output), is not kept for hundreds of steps. At batch 1 the doubt is wider
+(0.75 standard errors, the sample variance shrunk towards a range prior with the weight of 8 steps;
+larger batches: 0.5 and 2): a step there brings one request's
 sample, and its rate is the end-to-end rate; a larger batch's step brings one per request, and its
 rate overstates what speculation gains a batch end to end (requests finish at different steps, the
 batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
@@ -56,7 +57,7 @@ random rival (a probe kept with probability 1 / its step's cost in steps of the 
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
 machine slowed does not move it), each divided by the machine's speed at that moment, which the held
-shape's steps measure; a shape's seconds are its cost times the speed now, so shapes timed minutes
+shape's steps measure (its own cost stays its first full window's); a shape's seconds are its cost times the speed now, so shapes timed minutes
 apart on a machine whose speed drifts compare as if timed together. Tokens are decayed means.
 Hysteresis: the best shape of a bucket changes only when a rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
@@ -65,8 +66,9 @@ the batch's tail) needs stronger evidence; the climb still follows the measured 
 neighbours, so a slope of small gains is walked to its end. At 4 or more requests speculative shapes'
 rates are discounted by `batched_discount` (35%) against off: an offline batch's requests progress
 unevenly under speculation and leave a tail of steps running the slowest few, which no step's rate
-shows (`_rates`). The best shape is held for `hold` steps; a shape tried for timing only for `probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose
-requests finish, must not spend their steps probing). A bucket that has run fewer than FOLLOW_STEPS
+shows (`_rates`). The best shape is held for `hold` steps; a shape tried for timing only for
+`probe_hold` (a bucket's short-lived batch sizes, such as the tail of a batch whose requests finish,
+must not spend their steps probing). A bucket that has run fewer than FOLLOW_STEPS
 timed steps, beside one that has run as many, holds that bucket's best instead of exploring (the steps
 of an offline batch whose requests reach the engine one by one).
 Greedy batches and batches that sample (any request at T > 0) keep apart policies (`SamplingRegimes`):
