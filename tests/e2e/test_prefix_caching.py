@@ -7,7 +7,9 @@ The embedded trained pair, one request of 400 prompt tokens (blocks of 128 on CP
 cached), greedy, the policy's shapes forced (`ScriptedBudget`): the chain verifies a request as many
 steps after a hit as without one, when the hit's blocks were filled by steps without speculation and the
 draft's KV cache was zeroed before (so any position whose context was not stored would read zeros; with
-the deferred context dropped instead of stored, the chain took 17 steps instead of 32).
+the deferred context dropped instead of stored, the chain took 17 steps instead of 32). Of the finished
+request's deferred rows, those of its full blocks are stored, once each, and those of its last, partial
+block are not: the engine caches full blocks only, so nothing reads them.
 """
 
 from __future__ import annotations
@@ -73,10 +75,32 @@ def test_a_hit_keeps_the_trailing_block_and_finds_the_drafts_context_of_steps_wi
 
     engine.reset_prefix_cache()
     zero_draft_kv_cache()
-    off_tokens, off_cached, _ = serve(OFF)  # every step without drafts: the context is deferred
-    assert off_cached == 0
+    drafter = runner.drafter
+    store_deferred, store = drafter.store_deferred_context, drafter.model.precompute_and_store_context_kv
+    stored: list[int] = []  # positions a store of deferred rows wrote
 
-    hit_tokens, hit_cached, hit_steps = serve(chain)
+    def recording_store_deferred(*args):
+        drafter.model.precompute_and_store_context_kv = recording_store
+        try:
+            return store_deferred(*args)
+        finally:
+            drafter.model.precompute_and_store_context_kv = store
+
+    def recording_store(states, positions, slots):
+        stored.extend(positions.tolist())
+        return store(states, positions, slots)
+
+    drafter.store_deferred_context = recording_store_deferred
+    try:
+        off_tokens, off_cached, _ = serve(OFF)  # every step without drafts: the context is deferred
+        assert off_cached == 0
+        # stored by the next request's first step, where the engine reports the request finished
+        hit_tokens, hit_cached, hit_steps = serve(chain)
+    finally:
+        drafter.store_deferred_context = store_deferred
+    # stored once each: the full blocks' positions; the last, partial block's never (nothing reads it)
+    computed = PROMPT_TOKENS + MAX_TOKENS - 1
+    assert sorted(stored) == list(range(computed // block_size * block_size))
     assert hit_cached == (PROMPT_TOKENS - 1) // block_size * block_size  # every full block, the last included
     assert hit_tokens == fresh_tokens == off_tokens
     assert abs(hit_steps - fresh_steps) <= 1, (hit_steps, fresh_steps)

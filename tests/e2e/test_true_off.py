@@ -52,7 +52,7 @@ def script_runs(pair_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = {}
     deferral = pytest.MonkeyPatch()
-    deferral.setattr(proposer, "DEFERRED_ROWS", 10**9)  # rows stay deferred until a draft pass or a batch change
+    deferral.setattr(proposer, "DEFERRED_BYTES", 2**62)  # rows stay deferred until a draft pass or a batch change
     try:
         for name, script in SCRIPTS.items():
             runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), script))
@@ -105,7 +105,7 @@ def _check_context_layouts(runner) -> list[bool]:
     """Per step that deferred its context (a step without drafts followed by none): whether the rows it
     deferred sit where DFlash's first pass would store a step without drafts' context
     (`set_inputs_first_pass`: the target's positions, the draft KV cache group's slot mapping), read
-    before a store pass can take them (the fixture raises DEFERRED_ROWS)."""
+    before a store pass can take them (the fixture raises DEFERRED_BYTES)."""
     results = []
     drafter = runner.drafter
     defer = drafter.defer_context

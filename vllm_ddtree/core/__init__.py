@@ -18,6 +18,7 @@ from vllm_ddtree.core.budget import (
     nested_shapes,
     tokens_by_shape,
 )
+from vllm_ddtree.core.context_rows import unreadable_context_rows
 from vllm_ddtree.core.gdn_state import (
     accepted_state_move,
     compact_conv_windows_,
@@ -63,5 +64,6 @@ __all__ = [
     "tree_attention_mask",
     "tree_causal_conv1d",
     "tree_gated_delta_rule",
+    "unreadable_context_rows",
     "write_conv_window_",
 ]

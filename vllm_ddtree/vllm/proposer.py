@@ -11,7 +11,7 @@ the same num_speculative_tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +19,15 @@ from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes
+from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes, unreadable_context_rows
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
-DEFERRED_ROWS = 256
-"""Deferred context rows that trigger a store pass (`DDTreeProposer.defer_context`)."""
+DEFERRED_BYTES = 8 * 2**20
+"""Deferred context (the target's hidden states) that triggers a store pass (`DDTreeProposer.defer_context`):
+4096 rows of the embedded pair, about 200 of an 8B target's 5 x 4096 bf16 features."""
 
 
 class DDTreeProposer(DFlashProposer):
@@ -57,6 +58,8 @@ class DDTreeProposer(DFlashProposer):
         KV slots), written by `store_deferred_context`."""
         self.deferred_rows = 0
         """How many rows `_deferred` holds."""
+        self._deferred_bytes = 0
+        self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
 
     def choose_shape(self, num_requests: int) -> TreeShape:
         """This step's tree shape, `last_shape`: the budget policy's choice for a batch of `num_requests`
@@ -138,30 +141,38 @@ class DDTreeProposer(DFlashProposer):
 
     def defer_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Keep context rows (the target's hidden states [n, aux layers x hidden], positions [n], KV slots
-        [n]) of a step without drafts for `store_deferred_context`; stored at once when DEFERRED_ROWS wait.
+        [n]) of a step without drafts for `store_deferred_context`; stored at once when DEFERRED_BYTES wait.
         Every row of such a step is context at its own position and KV slot (target and draft share one
         KV cache group, hence one block table), so the target's positions and slot mapping serve as they
         are; the rows are stored together with other steps' rows in one pass before the next draft pass,
-        before KV blocks can change hands, or once DEFERRED_ROWS rows wait (on two CPU cores one pass over
-        16 steps' rows costs about what one step's pass did).
+        when KV blocks may change hands (less the rows no request can read: `unreadable_context_rows`),
+        or once DEFERRED_BYTES wait (one pass over many steps' rows costs about what one step's pass did).
         positions and slots are copied (views of buffers the next step rewrites); the hidden states too
         when they are a view (vLLM's concatenation of the aux layers is a fresh tensor)."""
         states = target_hidden_states.clone() if target_hidden_states._is_view() else target_hidden_states
         self._deferred.append((states, positions.clone(), slots.clone()))
         self.deferred_rows += positions.shape[0]
-        if self.deferred_rows >= DEFERRED_ROWS:
+        self._deferred_bytes += states.numel() * states.element_size()
+        if self._deferred_bytes >= DEFERRED_BYTES:
             self.store_deferred_context()
 
-    def store_deferred_context(self) -> None:
-        """Store the deferred context rows of steps without speculation in one pass (no-op if none).
+    def store_deferred_context(self, finished_blocks: Sequence[Sequence[int]] = ()) -> None:
+        """Store the deferred context rows of steps without speculation in one pass (no-op if none), less
+        those no request can read once the requests with KV block tables `finished_blocks` have finished
+        (their last, partial block's rows; every row of theirs with prefix caching off).
         Must run before a draft pass reads the context and before a KV block holding deferred rows can
-        be given to another request (the runner calls it when requests finish, are preempted or arrive)."""
+        be given to another request (the runner calls it when requests finish, are preempted or arrive,
+        with the finished requests' block tables)."""
         if not self._deferred:
             return
         states, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
         self._deferred.clear()
-        self.deferred_rows = 0
-        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
+        self.deferred_rows = self._deferred_bytes = 0
+        if finished_blocks:
+            readable = ~unreadable_context_rows(positions, slots, finished_blocks, self.block_size, self._prefix_caching)
+            states, positions, slots = states[readable], positions[readable], slots[readable]
+        if positions.numel():
+            self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:

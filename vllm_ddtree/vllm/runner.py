@@ -193,8 +193,10 @@ class DDTreeRunnerMixin:
         self._drafted = False
         self._plain_step = self._next_shape_chosen = False
         self._step_shape = self.drafter.last_shape
-        if _blocks_may_change_hands(scheduler_output):
-            self.drafter.store_deferred_context()
+        if _blocks_may_change_hands(scheduler_output):  # before vLLM drops the finished requests' states
+            gid = self.drafter.kv_cache_gid
+            finished = [self.requests[r].block_ids[gid] for r in scheduler_output.finished_req_ids if r in self.requests]
+            self.drafter.store_deferred_context(finished)
         if self.clock is not None:
             if scheduler_output.scheduled_new_reqs:
                 self.clock.policy.requests_arrived(len(scheduler_output.num_scheduled_tokens))
