@@ -54,3 +54,6 @@ def test_nothing_is_unreadable_without_finished_requests_or_rows():
     positions, slots = torch.arange(5), torch.arange(5) + 40
     assert not unreadable_context_rows(positions, slots, [], 4, True).any()
     assert unreadable_context_rows(positions[:0], slots[:0], [[10, 11]], 4, True).shape == (0,)
+    # a padding slot (-1) and a block past every table belong to no finished request
+    got = unreadable_context_rows(torch.tensor([0, 1, 0]), torch.tensor([-1, 5, 400]), [[1], []], 4, False)
+    assert got.tolist() == [False, True, False]

@@ -29,18 +29,27 @@ def unreadable_context_rows(
     block's earlier owner; and they are stored before every draft pass, so a request's rows held are
     the tokens it computed since, its highest position the last token it computed. That token's block
     is partial unless the token ends it; a partial block holds the request's only uncached rows.
-    Device ops only (no host sync)."""
-    unreadable = torch.zeros(slots.shape, dtype=torch.bool, device=slots.device)
+    The finished requests' tables are read on the host (lists); the rows stay on their device."""
+    device = slots.device
     if not finished_blocks or slots.numel() == 0:
-        return unreadable
-    blocks = slots // block_size
-    for table in finished_blocks:
-        owned = torch.isin(blocks, torch.as_tensor(list(table), dtype=blocks.dtype, device=blocks.device))
-        if not prefix_caching:
-            unreadable |= owned
-            continue
-        owned_positions = torch.where(owned, positions, -1)
-        last_row = owned_positions.argmax()
-        partial = (owned_positions[last_row] + 1) % block_size != 0  # False when it owns no row (-1 + 1)
-        unreadable |= owned & (blocks == blocks[last_row]) & partial
-    return unreadable
+        return torch.zeros(slots.shape, dtype=torch.bool, device=device)
+    num_finished = len(finished_blocks)
+    tables = torch.full((num_finished, max(1, *map(len, finished_blocks))), -1, dtype=torch.long)  # [F, W], -1 pads
+    for f, table in enumerate(finished_blocks):
+        tables[f, : len(table)] = torch.as_tensor(list(table), dtype=torch.long)
+    listed = tables >= 0
+    owner_of_block = torch.full((int(tables.max()) + 2,), -1, dtype=torch.long)  # the last entry: any other block
+    owner_of_block[tables[listed]] = torch.arange(num_finished).unsqueeze(1).expand_as(tables)[listed]
+    tables, owner_of_block = tables.to(device), owner_of_block.to(device)
+
+    blocks = (slots // block_size).long()
+    owner = owner_of_block[blocks.clamp(max=owner_of_block.numel() - 1)]  # [n]: finished request, or -1
+    owned = owner >= 0
+    if not prefix_caching:
+        return owned
+    row_owner = owner.clamp(min=0)
+    last = torch.full((num_finished,), -1, dtype=positions.dtype, device=device)  # each one's last position
+    last = last.scatter_reduce(0, row_owner, torch.where(owned, positions, -1), reduce="amax")
+    partial = (last + 1) % block_size != 0  # False for a request without rows (-1 + 1)
+    last_block = tables.gather(1, (last.clamp(min=0) // block_size).long().unsqueeze(1)).squeeze(1)
+    return owned & partial[row_owner] & (blocks == last_block[row_owner])

@@ -165,14 +165,19 @@ class DDTreeProposer(DFlashProposer):
         with the finished requests' block tables)."""
         if not self._deferred:
             return
-        states, positions, slots = (torch.cat(parts) for parts in zip(*self._deferred))
-        self._deferred.clear()
+        parts, self._deferred = self._deferred, []
         self.deferred_rows = self._deferred_bytes = 0
+        positions, slots = torch.cat([part[1] for part in parts]), torch.cat([part[2] for part in parts])
+        readable = None
         if finished_blocks:
             readable = ~unreadable_context_rows(positions, slots, finished_blocks, self.block_size, self._prefix_caching)
-            states, positions, slots = states[readable], positions[readable], slots[readable]
-        if positions.numel():
-            self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
+            if not bool(readable.any()):  # nothing to store: the hidden states are not even concatenated
+                return
+            positions, slots = positions[readable], slots[readable]
+        states = torch.cat([part[0] for part in parts])
+        if readable is not None:
+            states = states[readable]
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
