@@ -79,7 +79,8 @@ logger = logging.getLogger("vllm.ddtree")
 
 def _blocks_may_change_hands(scheduler_output: Any) -> bool:
     """Whether KV blocks may have been freed or handed to other requests since the last step (requests
-    finished, were preempted, arrived or resumed): deferred draft context must be stored first."""
+    finished, were preempted, arrived or resumed): deferred draft context must be stored (or, where no
+    request can read it, dropped) first."""
     return bool(
         scheduler_output.finished_req_ids
         or scheduler_output.preempted_req_ids
