@@ -38,12 +38,15 @@ def unreadable_context_rows(
     for f, table in enumerate(finished_blocks):
         tables[f, : len(table)] = torch.as_tensor(list(table), dtype=torch.long)
     listed = tables >= 0
-    owner_of_block = torch.full((int(tables.max()) + 2,), -1, dtype=torch.long)  # the last entry: any other block
-    owner_of_block[tables[listed]] = torch.arange(num_finished).unsqueeze(1).expand_as(tables)[listed]
-    tables, owner_of_block = tables.to(device), owner_of_block.to(device)
+    if not bool(listed.any()):  # no finished request holds a block
+        return torch.zeros(slots.shape, dtype=torch.bool, device=device)
+    finished_ids, order = tables[listed].sort()  # the finished requests' blocks, sorted, and their owners
+    owners = torch.arange(num_finished).unsqueeze(1).expand_as(tables)[listed][order]
+    tables, finished_ids, owners = tables.to(device), finished_ids.to(device), owners.to(device)
 
     blocks = (slots // block_size).long()
-    owner = owner_of_block[blocks.clamp(max=owner_of_block.numel() - 1)]  # [n]: finished request, or -1
+    at = torch.searchsorted(finished_ids, blocks).clamp(max=finished_ids.numel() - 1)
+    owner = torch.where(finished_ids[at] == blocks, owners[at], -1)  # [n]: finished request, or -1
     owned = owner >= 0
     if not prefix_caching:
         return owned
