@@ -43,12 +43,12 @@ rival whose upper confidence rate (tokens plus some standard errors, which grow 
 estimate taken on other text, or from a request's first steps at batch 1 (where drafts accept fewer
 tokens than later in its output), is not kept for hundreds of steps. At batch 1 the doubt is wider
 (0.75 standard errors, the sample variance shrunk towards a range prior with the weight of 8 steps;
-larger batches: 0.5 and 2): a step there brings one request's
-sample, and its rate is the end-to-end rate; a larger batch's step brings one per request, and its
-rate overstates what speculation gains a batch end to end (requests finish at different steps, the
-batch's last steps run few of them: measured at batch 4 and 16, T=0, speculation at par with or ahead
-of off per decode step ran at 0.56-0.76x no speculation end to end), so there the policy asks for more
-evidence before it re-probes its way onto speculation (off measures nothing else while it holds);
+larger batches: 0.5 and 2): a step there brings one request's sample, and its rate is the end-to-end
+rate; a larger batch's step brings one per request, and its rate overstates what speculation gains a
+batch end to end (requests finish at different steps, the batch's last steps run few of them: measured
+at batch 4 and 16, T=0, speculation at par with or ahead of off per decode step ran at 0.56-0.76x no
+speculation end to end), so there the policy asks for more evidence before it re-probes its way onto
+speculation (off measures nothing else while it holds);
 else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts),
 times the square of how far its rate is behind the best's (paired timings age only in their ratio).
 At batch 1 a new request is new text: its first doubted rival is re-measured even when the credit
@@ -57,8 +57,9 @@ random rival (a probe kept with probability 1 / its step's cost in steps of the 
 a far costlier shape is rarer and exploration costs about the same whatever the shapes cost). Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
 machine slowed does not move it), each divided by the machine's speed at that moment, which the held
-shape's steps measure (its own cost stays its first full window's); a shape's seconds are its cost times the speed now, so shapes timed minutes
-apart on a machine whose speed drifts compare as if timed together. Tokens are decayed means.
+shape's steps measure (its own cost stays its first full window's); a shape's seconds are its cost
+times the speed now, so shapes timed minutes apart on a machine whose speed drifts compare as if timed
+together. Tokens are decayed means.
 Hysteresis: the best shape of a bucket changes only when a rival's rate beats it by more than `margin` (3%) times how many of its steps one of the rival's
 costs, so timing noise between near-equal shapes does not make the choice flip back and forth, and a
 costly shape (a tree at a large batch, whose per-step gain also ignores what its uneven progress costs
@@ -696,17 +697,17 @@ class AdaptiveBudget:
 
     def _rates(self, bucket: int) -> dict[int, float]:
         """Rates of this bucket by index in `shapes`: the measured ones, speculative shapes' discounted by
-        `batched_discount` at 4 or more requests. A batch's requests progress unevenly under
-        speculation, and an offline batch then ends with a tail of steps that run the slowest few
-        requests (measured: the chain at batch 4, T=0, 64 tokens each, ran 20 steps of 4 requests and
-        22 of 1-3, 43% of its time; end to end 0.63x no speculation); continuous batching refills the
-        batch instead. (Bench, batch 4, T=0, two CPU cores: the fixed chain's tokens per request and step
-        over its step time, 2.79 / 11.05 ms, is 1.19x off's 1 / 4.71 ms, yet it runs at 0.72x no
-        speculation end to end, a discount of 40%: the prompts accept very unevenly, and the batch
-        waits for its hardest one. Discounted 20%, the policy's speculation there, its per-step rate
-        read at 1.05-1.3x off's, ran 6% slower end to end than off pinned.) The per-step rate cannot see which, so at large batches speculation must win
-        by more than ties and timing noise before it runs. From 2-3 requests on down the steps run
-        the tail itself, which speculation shortens."""
+        `batched_discount` at 4 or more requests. A batch's requests progress unevenly under speculation,
+        and an offline batch then ends with a tail of steps that run the slowest few requests (measured:
+        the chain at batch 4, T=0, 64 tokens each, ran 20 steps of 4 requests and 22 of 1-3, 43% of its
+        time; end to end 0.63x no speculation); continuous batching refills the batch instead. The
+        per-step rate cannot see which, so at large batches speculation must win by more than ties and
+        timing noise before it runs. (Bench, batch 4, T=0, two CPU cores: the fixed chain's tokens per
+        request and step over its step time, 2.79 / 11.05 ms, is 1.19x off's 1 / 4.71 ms, yet it runs at
+        0.72x no speculation end to end, a discount of 40%: the prompts accept very unevenly, and the
+        batch waits for its hardest one. Discounted 20%, the policy's speculation there, its per-step rate
+        read at 1.05-1.3x off's, ran 6% slower end to end than off pinned.) From 2-3 requests on down the
+        steps run the tail itself, which speculation shortens."""
         rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
         if bucket >= 2:
             rates = {i: rate if self.shapes[i].is_off else rate * (1 - self.batched_discount) for i, rate in rates.items()}
