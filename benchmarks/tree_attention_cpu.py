@@ -3,10 +3,13 @@
 One target attention layer at batch 1: B + 1 query rows over a prefix of P tokens in vLLM's paged CPU
 cache. Variants, interleaved round-robin in one process (rotated order each round):
   chain  vLLM's CPU kernel (`cpu_attention_with_kv_cache`), causal: what a chain verify costs;
-  tree   DDTree's path for a branching tree of the same rows (`attention.tree_attention`; at batch 1 the
-         kernel is skipped, see `DDTreeCPUAttentionMetadata.attach_tree`).
-Reports, per (budget, prefix), the median [min-max] over rounds of each round's tree / chain time ratio
-and the median microseconds of each. Shapes default to the embedded pair's target (4 query heads, 2 KV
+  tree   DDTree's torch formulation for a branching tree of the same rows (`attention.tree_attention`,
+         what layers the compiled kernel does not take run; at batch 1 vLLM's kernel is skipped, see
+         `DDTreeCPUAttentionMetadata.attach_tree`);
+  compiled  DDTree's compiled kernel for the same tree (`cpu_tree_kernel.attend_tree_rows`: float32,
+         "vec" layouts).
+Reports, per (budget, prefix), the median [min-max] over rounds of each round's tree / chain and
+compiled / chain time ratios and the median microseconds of each. Shapes default to the embedded pair's target (4 query heads, 2 KV
 heads, head size 64, float32, vLLM's CPU block size 128); one thread, as the engine runs.
 
     python benchmarks/tree_attention_cpu.py [--budgets 7 32] [--prefixes 64 2048] [--rounds 30]
@@ -70,6 +73,7 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
     )
     layout = probe_layout(isa, block_size, head_size, dtype)
     from vllm_ddtree.vllm.attention import tree_attention
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows
 
     attention = TreeAttention.build(tree_rows, block_table, block_size)
 
@@ -77,7 +81,10 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
         attended = tree_attention(query, cache, attention, layout, num_kv_heads, scale)
         output.index_copy_(0, attention.valid_rows, attended.reshape(-1, *output.shape[1:]))
 
-    return {"chain": chain, "tree": tree_verify}
+    def compiled() -> None:
+        attend_tree_rows(output, query, cache, layout, *attention.host_arrays, scale)
+
+    return {"chain": chain, "tree": tree_verify, "compiled": compiled}
 
 
 def interleaved(variants: dict, rounds: int, calls: int) -> dict[str, list[float]]:
@@ -106,13 +113,17 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=128)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(f"{'budget':>6} {'prefix':>6} {'chain us':>9} {'tree us':>9}  tree / chain, median [min-max] over {args.rounds} rounds")
+    print(f"{'budget':>6} {'prefix':>6} {'chain us':>9} {'tree us':>9} {'compiled us':>11}  "
+          f"tree / chain, compiled / chain: median [min-max] over {args.rounds} rounds")
     for budget in args.budgets:
         for prefix in args.prefixes:
             seconds = interleaved(make_case(budget, prefix, *args.heads, args.block_size), args.rounds, args.calls)
-            ratios = sorted(t / c for t, c in zip(seconds["tree"], seconds["chain"]))
-            chain_us, tree_us = (statistics.median(seconds[name]) * 1e6 for name in ("chain", "tree"))
-            print(f"{budget:>6} {prefix:>6} {chain_us:>9.1f} {tree_us:>9.1f}  {statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            spreads = []
+            for name in ("tree", "compiled"):
+                ratios = sorted(t / c for t, c in zip(seconds[name], seconds["chain"]))
+                spreads.append(f"{statistics.median(ratios):.2f}x [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            chain_us, tree_us, compiled_us = (statistics.median(seconds[name]) * 1e6 for name in ("chain", "tree", "compiled"))
+            print(f"{budget:>6} {prefix:>6} {chain_us:>9.1f} {tree_us:>9.1f} {compiled_us:>11.1f}  {spreads[0]}, {spreads[1]}")
 
 
 if __name__ == "__main__":

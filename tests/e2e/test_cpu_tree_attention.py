@@ -79,7 +79,8 @@ def problems(draw):
 def test_tree_attention_equals_masked_sdpa_reference(problem):
     from vllm import _custom_ops as ops
 
-    from vllm_ddtree.vllm.attention import TreeAttention, tree_attention
+    from vllm_ddtree.vllm.attention import TreeAttention, _kernel_serves, tree_attention
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows
     from vllm_ddtree.vllm.paged_kv import probe_layout
 
     gen = torch.Generator().manual_seed(problem["seed"])
@@ -111,6 +112,20 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
     assert torch.equal(tree.valid_rows, rows.node_rows[rows.valid])
+
+    # the compiled kernel, where it serves: the same rows, written in place; no other row touched
+    output = torch.full_like(query, float("nan"))
+    assert _kernel_serves(query, cache, output, layout) == (dtype == torch.float32 and isa == "vec")
+    if _kernel_serves(query, cache, output, layout):
+        fused = torch.randn(num_rows, 3 * num_heads, head_size, generator=gen)  # a view of a fused projection
+        fused[:, :num_heads] = query
+        for q in (query, fused[:, :num_heads]):
+            output.fill_(float("nan"))
+            attend_tree_rows(output, q, cache, layout, *tree.host_arrays, scale)
+            torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
+            untouched = torch.ones(num_rows, dtype=torch.bool)
+            untouched[tree.valid_rows] = False
+            assert bool(output[untouched].isnan().all())
 
 
 def test_windows_split_into_runs_of_consecutive_blocks():
@@ -166,3 +181,18 @@ def test_kernel_kept_off_the_tree_rows(query_lens, tree_requests, tree_nodes, ru
         assert calls == [] and md.seq_lens.tolist() == [20, 30, 40][: len(query_lens)]
     else:
         assert [c.tolist() for c in calls] == [kernel_seq_lens] and md.seq_lens.tolist() == kernel_seq_lens
+
+
+def test_tree_rows_fall_back_to_torch_when_the_kernel_did_not_compile(monkeypatch):
+    """Without the compiled kernel (numba's np.dot needs scipy) every layer takes the torch formulation."""
+    from vllm_ddtree.vllm import cpu_tree_kernel
+    from vllm_ddtree.vllm.attention import _kernel_serves
+    from vllm_ddtree.vllm.paged_kv import RegionLayout
+
+    block_size, head_size = 4, 2
+    layout = RegionLayout(torch.arange(head_size * block_size).view(head_size, block_size).t(),
+                          head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
+    query, cache = torch.zeros(3, 2, head_size), torch.zeros(2, 1, block_size, 2 * head_size)
+    assert _kernel_serves(query, cache, torch.zeros_like(query), layout)
+    monkeypatch.setattr(cpu_tree_kernel, "_compiled_ok", False)
+    assert not _kernel_serves(query, cache, torch.zeros_like(query), layout)

@@ -36,6 +36,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from vllm_ddtree.vllm import cpu_tree_kernel
+from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, layout_supported
 from vllm_ddtree.vllm.host_tree import tree_windows
 from vllm_ddtree.vllm.paged_kv import block_run, probe_layout
 from vllm_ddtree.vllm.tree_step import TreeRows
@@ -56,8 +58,13 @@ class WindowRun:
 
 @dataclass(frozen=True)
 class TreeAttention:
-    """Tree-verify rows of one batch; T branching requests, N = max nodes.
+    """Tree-verify rows of one batch; T branching requests, N = max nodes. Built once per step and shared
+    by all target layers.
 
+    rows: the step's `TreeRows`; block_table [num_reqs, max blocks] int32, block_size: the paged cache's;
+    host_arrays: what the compiled kernel reads (`cpu_tree_kernel.attend_tree_rows`: block table,
+    req_indices, starts, num_nodes, ancestor mask, node rows), as contiguous numpy arrays.
+    For the torch formulation (`tree_attention`), computed when first read:
     query_rows [T * N]: batch row of node i of request t at t * N + i (padded nodes repeat the root's row;
     their mask is the root's, never written back);
     runs[t]: request t's window (positions 0 .. start + num_nodes - 1, rounded up to whole blocks) as
@@ -66,44 +73,64 @@ class TreeAttention:
     valid_rows [M]: their batch rows (query_rows[valid_nodes]);
     first_row: query_rows[0] when query_rows is first_row, first_row + 1, ... (read as a slice), else None;
     all_valid: no padded nodes (M = T * N).
-    Built once per step and shared by all target layers. (Rows move by index_select / index_copy_:
-    advanced indexing is ~10x slower on CPU.)
+    (Rows move by index_select / index_copy_: advanced indexing is ~10x slower on CPU.)
     """
 
-    query_rows: torch.Tensor
-    runs: tuple[tuple[WindowRun, ...], ...]
-    valid_nodes: torch.Tensor
-    valid_rows: torch.Tensor
-    first_row: int | None
-    all_valid: bool
-
-    @property
-    def num_nodes(self) -> int:
-        return self.query_rows.shape[0] // len(self.runs)
+    rows: TreeRows
+    block_table: torch.Tensor
+    block_size: int
+    host_arrays: tuple[np.ndarray, ...]
 
     @classmethod
     def build(cls, rows: TreeRows, block_table: torch.Tensor, block_size: int) -> TreeAttention:
         """The masks of a step's branching trees; block_table [num_reqs, max blocks] maps a request's
         positions to cache blocks (position p lives in block block_table[p // block_size], row
         p % block_size)."""
+        def int64(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.numpy(), dtype=np.int64)
+
+        host_arrays = (
+            np.ascontiguousarray(block_table.numpy()), int64(rows.req_indices), int64(rows.starts), int64(rows.num_nodes),
+            np.ascontiguousarray(rows.ancestor_mask.numpy()), int64(rows.node_rows),
+        )
+        return cls(rows, block_table, block_size, host_arrays)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.rows.node_rows.shape[1]
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[WindowRun, ...], ...]:
+        rows = self.rows
         bias, window_runs = tree_windows(
-            rows.ancestor_mask, rows.starts, rows.num_nodes, rows.valid, rows.req_indices, block_table, block_size
+            rows.ancestor_mask, rows.starts, rows.num_nodes, rows.valid, rows.req_indices, self.block_table, self.block_size
         )
         runs: list[list[WindowRun]] = [[] for _ in range(bias.shape[0])]
         for t, first_block, num_blocks, bias_from, lo, hi in window_runs:
             runs[t].append(WindowRun(first_block, num_blocks, bias_from, torch.from_numpy(bias[t, lo:hi])))
-        query_rows = rows.node_rows.numpy().ravel()
-        valid_nodes = np.flatnonzero(rows.valid.numpy())
+        return tuple(map(tuple, runs))
+
+    @functools.cached_property
+    def query_rows(self) -> torch.Tensor:
+        return self.rows.node_rows.reshape(-1)
+
+    @functools.cached_property
+    def valid_nodes(self) -> torch.Tensor:
+        return self.rows.valid.reshape(-1).nonzero().squeeze(1)
+
+    @functools.cached_property
+    def valid_rows(self) -> torch.Tensor:
+        return self.query_rows.index_select(0, self.valid_nodes)
+
+    @functools.cached_property
+    def first_row(self) -> int | None:
+        query_rows = self.query_rows.numpy()
         first_row = int(query_rows[0])
-        consecutive = bool((query_rows == np.arange(first_row, first_row + query_rows.size)).all())
-        return cls(
-            query_rows=torch.from_numpy(query_rows),
-            runs=tuple(map(tuple, runs)),
-            valid_nodes=torch.from_numpy(valid_nodes),
-            valid_rows=torch.from_numpy(query_rows[valid_nodes]),
-            first_row=first_row if consecutive else None,
-            all_valid=valid_nodes.size == query_rows.size,
-        )
+        return first_row if bool((query_rows == np.arange(first_row, first_row + query_rows.size)).all()) else None
+
+    @property
+    def all_valid(self) -> bool:
+        return self.valid_nodes.numel() == self.query_rows.numel()
 
 
 @dataclass
@@ -182,6 +209,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if tree is not None:
             layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+            if _kernel_serves(query, kv_cache, output, layout):
+                attend_tree_rows(output.view(query.shape), query, kv_cache, layout, *tree.host_arrays, self.scale)
+                return output
             attended = tree_attention(query, kv_cache, tree, layout, self.num_kv_heads, self.scale)
             output.index_copy_(0, tree.valid_rows, attended.reshape(-1, *output.shape[1:]).to(output.dtype))
         return output
@@ -199,6 +229,13 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         found = [name for name, present in unsupported.items() if present]
         if found:
             raise NotImplementedError(f"method 'ddtree' does not support target models with {', '.join(found)}")
+
+
+def _kernel_serves(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, layout: Any) -> bool:
+    """Whether the compiled kernel takes this layer's tree rows: it compiled, float32 throughout, vLLM's
+    "vec" cache layout, an output it can write in place."""
+    return (query.dtype == kv_cache.dtype == output.dtype == torch.float32 and output.is_contiguous()
+            and kv_cache.is_contiguous() and layout_supported(layout) and cpu_tree_kernel.available())
 
 
 def tree_attention(

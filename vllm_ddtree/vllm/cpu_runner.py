@@ -15,6 +15,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+from vllm_ddtree.vllm import cpu_tree_kernel
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
 from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
@@ -22,6 +23,11 @@ from vllm_ddtree.vllm.tree_step import TreeRows
 
 
 class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
+    @override
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        cpu_tree_kernel.warm_up()  # compiled now, not in the first steps the budget policy times
+
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
         # `.gpu`, the buffer vLLM's slot-mapping kernel writes: CPUModelRunner aliases it to `.cpu`, except

@@ -1,0 +1,219 @@
+"""The tree-verify rows' attention on CPU in one compiled call per layer (numba, like `host_tree`).
+
+What it computes is `attention.tree_attention`'s: node i of branching request t attends to its
+request's committed prefix (positions 0 .. start - 1) and to the nodes j its row of the ancestor mask
+admits (itself included), whose K/V sit at positions start + j; all of them are read in place from the
+paged cache through the request's block table. Why compiled: at batch 1 the torch formulation is some
+forty small tensor operations per layer, each costing its dispatch (measured on the embedded pair's
+shapes, `benchmarks/tree_attention_cpu.py`: 185 us for a tree of 8 over a 64-token prefix, against 24 us
+for vLLM's kernel on as many chain rows; this kernel 29 us).
+
+How: per (request, KV head), the group's query rows (scaled) are copied once; then block by block of
+the window: logits = q k^T and p v as BLAS products (numba's np.dot, scipy's BLAS: keys are dim-major
+and values token-major in the "vec" layouts, so a block's keys and values are plain matrices), the tree
+mask on the positions past the prefix, and an online softmax (running maximum and sum per row, rescaled
+accumulator), so the window is read once whatever its length. exp is computed inline (2^e times a
+degree-7 polynomial on |y| <= ln(2) / 2; within 1 ulp of float32, masked and underflowing terms exactly
+0) so that the compiler vectorizes it. The rows of padded nodes (i >= num_nodes) are not written.
+
+Taken when the kernel compiled (`available`: numba's np.dot needs scipy), the cache layout is vLLM's
+"vec" one (`layout_supported`) and query, cache and output are float32; otherwise the caller runs the
+torch formulation.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from numba import njit
+
+from vllm_ddtree.vllm.paged_kv import RegionLayout
+
+logger = logging.getLogger("vllm.ddtree")
+
+_FASTMATH = {"contract", "reassoc"}
+"""Fused multiply-adds and reordered sums and maxima (vectorized reductions); no finite-math
+assumptions: masked logits are -inf."""
+
+
+def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """numba's compiled `function` with `_FASTMATH`, cached on disk as `host_tree._compiled` does."""
+    try:
+        return njit(cache=True, nogil=True, fastmath=_FASTMATH)(function)
+    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
+        return njit(nogil=True, fastmath=_FASTMATH)(function)
+
+
+_compiled_ok: bool | None = None
+
+
+def available() -> bool:
+    """Whether the kernel compiled (once per process, `warm_up`); if not, the reason is logged once."""
+    if _compiled_ok is None:
+        warm_up()
+    return bool(_compiled_ok)
+
+
+def layout_supported(layout: RegionLayout) -> bool:
+    """The keys of a (block, kv head) region are [head_size, block_size] and its values [block_size,
+    head_size], both row-major (vLLM's "vec" CPU layouts)."""
+    block_size, head_size = layout.key_offsets.shape
+    keys, values = layout.key_strides, layout.value_strides
+    return keys is not None and values is not None and keys[1:] == (1, block_size) and values[1:] == (head_size, 1)
+
+
+def attend_tree_rows(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layout: RegionLayout,
+    block_table: np.ndarray,
+    req_indices: np.ndarray,
+    starts: np.ndarray,
+    num_nodes: np.ndarray,
+    ancestor_mask: np.ndarray,
+    node_rows: np.ndarray,
+    scale: float,
+) -> None:
+    """Overwrite output[node_rows[t, i]] ([rows, num_heads, head_size], float32, contiguous) with the
+    tree attention of node i < num_nodes[t] of every request t. query [rows, num_heads, head_size]
+    float32 (query head h reads KV head h // (num_heads / num_kv_heads)); kv_cache one layer's CPU_ATTN
+    cache [num_blocks, num_kv_heads, block_size, 2 * head_size] float32 in a `layout_supported` layout;
+    block_table [num_reqs, max blocks] int32; req_indices, starts, num_nodes [T] int64; ancestor_mask
+    [T, N, N] bool; node_rows [T, N] int64 (host arrays, shared by every layer of a step)."""
+    num_blocks, num_kv_heads = kv_cache.shape[:2]
+    _tree_attention(
+        query.numpy(), kv_cache.view(num_blocks, num_kv_heads, -1).numpy(), int(layout.key_strides[0]), int(layout.value_strides[0]),
+        layout.block_size, block_table, req_indices, starts, num_nodes, ancestor_mask, node_rows, scale, output.numpy(),
+    )
+
+
+@_compiled
+def _tree_attention(
+    query: np.ndarray, cache: np.ndarray, key_base: int, value_base: int, block_size: int, block_table: np.ndarray,
+    req_indices: np.ndarray, starts: np.ndarray, num_nodes: np.ndarray, ancestor_mask: np.ndarray, node_rows: np.ndarray,
+    scale: float, output: np.ndarray,
+) -> None:
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = cache.shape[1]
+    group = num_heads // num_kv_heads
+    for t in range(starts.shape[0]):
+        nodes, start, request = num_nodes[t], starts[t], req_indices[t]
+        window = start + nodes
+        rows = group * nodes  # row r: node r // group, query head h * group + r % group
+        q = np.empty((rows, head_size), np.float32)
+        logits = np.empty((rows, block_size), np.float32)
+        probs = np.empty((rows, block_size), np.float32)
+        acc = np.empty((rows, head_size), np.float32)
+        partial = np.empty((rows, head_size), np.float32)
+        maxima = np.empty(rows, np.float32)
+        totals = np.empty(rows, np.float32)
+        exponent_bits = np.empty(block_size, np.int32)
+        for h in range(num_kv_heads):
+            for r in range(rows):
+                source = query[node_rows[t, r // group], h * group + r % group]
+                for d in range(head_size):
+                    q[r, d] = source[d] * scale
+            acc[:] = 0.0
+            maxima[:] = -np.inf
+            totals[:] = 0.0
+            for b in range((window + block_size - 1) // block_size):
+                region = cache[block_table[request, b], h]
+                keys_t = region[key_base : key_base + head_size * block_size].reshape((head_size, block_size))
+                values = region[value_base : value_base + block_size * head_size].reshape((block_size, head_size))
+                first = b * block_size
+                tokens = min(block_size, window - first)
+                _attend_block(q, keys_t, values, tokens, first - start, ancestor_mask[t], group, logits, probs, partial, acc, maxima,
+                              totals, exponent_bits)
+            for r in range(rows):
+                target = output[node_rows[t, r // group], h * group + r % group]
+                inverse = np.float32(1.0) / totals[r]
+                for d in range(head_size):
+                    target[d] = acc[r, d] * inverse
+
+
+@_compiled
+def _attend_block(
+    q: np.ndarray, keys_t: np.ndarray, values: np.ndarray, tokens: int, offset: int, mask: np.ndarray, group: int,
+    logits: np.ndarray, probs: np.ndarray, partial: np.ndarray, acc: np.ndarray, maxima: np.ndarray, totals: np.ndarray,
+    exponent_bits: np.ndarray,
+) -> None:
+    """Fold the block's first `tokens` positions into every row's online softmax; position k of the block
+    is node k + offset when k + offset >= 0 (seen iff the row's node has it on its mask row), else prefix.
+    Both products are BLAS calls (numba's np.dot): logits over the whole block (the logits of positions
+    past `tokens` are never read), the probabilities [rows, tokens] (a contiguous prefix of `probs`)
+    times the block's first `tokens` values, so no position past the window is read."""
+    rows, head_size = q.shape
+    np.dot(q, keys_t, logits)
+    probs = probs.ravel()[: rows * tokens].reshape((rows, tokens))
+    for r in range(rows):
+        row = logits[r]
+        if offset + tokens > 0:  # the block holds nodes
+            seen = mask[r // group]
+            for k in range(max(-offset, 0), tokens):
+                if not seen[k + offset]:
+                    row[k] = -np.inf
+        largest = maxima[r]
+        for k in range(tokens):
+            largest = max(largest, row[k])
+        out = probs[r]
+        if largest == -np.inf:  # nothing seen yet: the row adds nothing
+            out[:] = 0.0
+            continue
+        for k in range(tokens):  # exp(x), x = row[k] - largest <= 0: 2^e e^y, e = round(x / ln 2), |y| <= ln(2) / 2
+            x = max(row[k] - largest, np.float32(-100.0))
+            e = math.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))
+            y = x - np.float32(e) * np.float32(0.693145751953125) - np.float32(e) * np.float32(1.428606765330187e-06)
+            p = np.float32(1.0 / 5040)
+            p = p * y + np.float32(1.0 / 720)
+            p = p * y + np.float32(1.0 / 120)
+            p = p * y + np.float32(1.0 / 24)
+            p = p * y + np.float32(1.0 / 6)
+            p = p * y + np.float32(0.5)
+            p = p * y + np.float32(1.0)
+            out[k] = p * y + np.float32(1.0)
+            exponent_bits[k] = max(np.int32(e) + np.int32(127), np.int32(0)) << np.int32(23)  # 2^e (0 below 2^-126)
+        powers = exponent_bits.view(np.float32)
+        total = np.float32(0.0)
+        for k in range(tokens):
+            out[k] *= powers[k]
+            total += out[k]
+        rescale = np.float32(math.exp(maxima[r] - largest))
+        maxima[r] = largest
+        totals[r] = totals[r] * rescale + total
+        accumulated = acc[r]
+        for d in range(head_size):
+            accumulated[d] *= rescale
+    np.dot(probs, values[:tokens], partial)
+    acc += partial
+
+
+def warm_up() -> None:
+    """Compile the kernel (or load it from numba's cache) for a contiguous query and for a view of a
+    fused qkv projection (strided rows), so that no step pays a compilation; on failure (numba's np.dot
+    without scipy) log why, once, and leave the tree rows to the torch formulation."""
+    global _compiled_ok
+    if _compiled_ok is not None:
+        return
+    block_size, head_size, num_kv_heads = 4, 2, 1
+    cache = torch.zeros(1, num_kv_heads, block_size, 2 * head_size)
+    key_offsets = torch.arange(head_size * block_size).view(head_size, block_size).t()
+    layout = RegionLayout(key_offsets, head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
+    host = (np.zeros((1, 1), np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64),
+            np.ones((1, 1, 1), np.bool_), np.zeros((1, 1), np.int64))
+    fused = torch.zeros(2, 3, head_size)
+    try:
+        for query in (torch.zeros(2, 1, head_size), fused[:, :1]):
+            attend_tree_rows(torch.zeros(2, 1, head_size), query, cache, layout, *host, 1.0)
+    except Exception as error:  # numba's typing and lowering errors have no common base besides Exception
+        _compiled_ok = False
+        logger.warning("method 'ddtree': the compiled CPU tree attention is unavailable (%s: %s); tree rows run "
+                       "the torch formulation (slower at small batches; installing scipy enables it)",
+                       type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return
+    _compiled_ok = True
