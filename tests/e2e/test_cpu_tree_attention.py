@@ -115,14 +115,17 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
 
     # the compiled kernel, where it serves: the same rows, written in place; no other row touched
     output = torch.full_like(query, float("nan"))
-    assert _kernel_serves(query, cache, output, layout) == (dtype == torch.float32 and isa == "vec")
+    assert _kernel_serves(query, cache, output, layout) == (isa == "vec")
     if _kernel_serves(query, cache, output, layout):
-        fused = torch.randn(num_rows, 3 * num_heads, head_size, generator=gen)  # a view of a fused projection
+        fused = torch.randn(num_rows, 3 * num_heads, head_size, generator=gen).to(dtype)  # a view of a fused projection
         fused[:, :num_heads] = query
         for q in (query, fused[:, :num_heads]):
             output.fill_(float("nan"))
             attend_tree_rows(output, q, cache, layout, *tree.host_arrays, scale)
-            torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
+            if dtype == torch.float32:
+                torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
+            else:  # computed in float32, rounded to bfloat16 (half an ulp: 2^-9 relative)
+                torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=1e-4, rtol=4e-3)
             untouched = torch.ones(num_rows, dtype=torch.bool)
             untouched[tree.valid_rows] = False
             assert bool(output[untouched].isnan().all())

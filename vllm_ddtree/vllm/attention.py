@@ -232,9 +232,9 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
 
 def _kernel_serves(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, layout: Any) -> bool:
-    """Whether the compiled kernel takes this layer's tree rows: it compiled, float32 throughout, vLLM's
-    "vec" cache layout, an output it can write in place."""
-    return (query.dtype == kv_cache.dtype == output.dtype == torch.float32 and output.is_contiguous()
+    """Whether the compiled kernel takes this layer's tree rows: it compiled, one dtype it reads
+    throughout, vLLM's "vec" cache layout, an output it can write in place."""
+    return (query.dtype == kv_cache.dtype == output.dtype and query.dtype in cpu_tree_kernel.DTYPES and output.is_contiguous()
             and kv_cache.is_contiguous() and layout_supported(layout) and cpu_tree_kernel.available())
 
 

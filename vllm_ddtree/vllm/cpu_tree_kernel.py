@@ -17,8 +17,8 @@ degree-7 polynomial on |y| <= ln(2) / 2; within 1 ulp of float32, masked and und
 0) so that the compiler vectorizes it. The rows of padded nodes (i >= num_nodes) are not written.
 
 Taken when the kernel compiled (`available`: numba's np.dot needs scipy), the cache layout is vLLM's
-"vec" one (`layout_supported`) and query, cache and output are float32; otherwise the caller runs the
-torch formulation.
+"vec" one (`layout_supported`) and query, cache and output are all float32 or all bfloat16 (widened to
+float32 block by block); otherwise the caller runs the torch formulation.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 from vllm_ddtree.vllm.paged_kv import RegionLayout
 
@@ -80,17 +81,70 @@ def attend_tree_rows(
     node_rows: np.ndarray,
     scale: float,
 ) -> None:
-    """Overwrite output[node_rows[t, i]] ([rows, num_heads, head_size], float32, contiguous) with the
-    tree attention of node i < num_nodes[t] of every request t. query [rows, num_heads, head_size]
-    float32 (query head h reads KV head h // (num_heads / num_kv_heads)); kv_cache one layer's CPU_ATTN
-    cache [num_blocks, num_kv_heads, block_size, 2 * head_size] float32 in a `layout_supported` layout;
-    block_table [num_reqs, max blocks] int32; req_indices, starts, num_nodes [T] int64; ancestor_mask
-    [T, N, N] bool; node_rows [T, N] int64 (host arrays, shared by every layer of a step)."""
+    """Overwrite output[node_rows[t, i]] ([rows, num_heads, head_size], contiguous) with the tree
+    attention of node i < num_nodes[t] of every request t. query [rows, num_heads, head_size] (query head
+    h reads KV head h // (num_heads / num_kv_heads)); kv_cache one layer's CPU_ATTN cache [num_blocks,
+    num_kv_heads, block_size, 2 * head_size] in a `layout_supported` layout; all three float32 or
+    bfloat16 (`DTYPES`; computed in float32, bfloat16 outputs rounded to nearest even); block_table
+    [num_reqs, max blocks] int32; req_indices, starts, num_nodes [T] int64; ancestor_mask [T, N, N] bool;
+    node_rows [T, N] int64 (host arrays, shared by every layer of a step)."""
     num_blocks, num_kv_heads = kv_cache.shape[:2]
     _tree_attention(
-        query.numpy(), kv_cache.view(num_blocks, num_kv_heads, -1).numpy(), int(layout.key_strides[0]), int(layout.value_strides[0]),
-        layout.block_size, block_table, req_indices, starts, num_nodes, ancestor_mask, node_rows, scale, output.numpy(),
+        _host(query), _host(kv_cache.view(num_blocks, num_kv_heads, -1)), int(layout.key_strides[0]), int(layout.value_strides[0]),
+        layout.block_size, block_table, req_indices, starts, num_nodes, ancestor_mask, node_rows, scale, _host(output),
     )
+
+
+DTYPES = (torch.float32, torch.bfloat16)
+"""What the kernel reads and writes: float32, and bfloat16 as its bits (numpy has no bfloat16)."""
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.numpy() if tensor.dtype == torch.float32 else tensor.view(torch.uint16).numpy()
+
+
+def _as_float32(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """values (float32, or bfloat16 bits: uint16) as float32: values themselves, or widened into scratch
+    (float32, as large) and returned from it."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_as_float32, jit_options={"fastmath": _FASTMATH})
+def _as_float32_compiled(values, scratch):  # (unannotated: numba matches its signature to the implementations')
+    if values.dtype == types.float32:
+        return lambda values, scratch: values
+
+    def widen(values, scratch):
+        flat, bits = values.ravel(), scratch.ravel().view(np.uint32)
+        for i in range(flat.size):
+            bits[i] = np.uint32(flat[i]) << np.uint32(16)
+        return scratch
+
+    return widen
+
+
+def _store(target: np.ndarray, values: np.ndarray, factor: float) -> None:
+    """target[:] = values * factor (float32 values; target float32, or bfloat16 bits rounded to nearest
+    even)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_store, jit_options={"fastmath": _FASTMATH})
+def _store_compiled(target, values, factor):  # (unannotated, as `_as_float32_compiled`)
+    if target.dtype == types.float32:
+        def store(target, values, factor):
+            for d in range(target.size):
+                target[d] = values[d] * factor
+
+        return store
+
+    def round_to_bfloat16(target, values, factor):
+        scaled = values * factor
+        bits = scaled.view(np.uint32)
+        for d in range(target.size):
+            target[d] = np.uint16((bits[d] + np.uint32(0x7FFF) + ((bits[d] >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    return round_to_bfloat16
 
 
 @_compiled
@@ -114,9 +168,12 @@ def _tree_attention(
         maxima = np.empty(rows, np.float32)
         totals = np.empty(rows, np.float32)
         exponent_bits = np.empty(block_size, np.int32)
+        query_row = np.empty(head_size, np.float32)
+        keys_scratch = np.empty((head_size, block_size), np.float32)
+        values_scratch = np.empty((block_size, head_size), np.float32)
         for h in range(num_kv_heads):
             for r in range(rows):
-                source = query[node_rows[t, r // group], h * group + r % group]
+                source = _as_float32(query[node_rows[t, r // group], h * group + r % group], query_row)
                 for d in range(head_size):
                     q[r, d] = source[d] * scale
             acc[:] = 0.0
@@ -124,17 +181,15 @@ def _tree_attention(
             totals[:] = 0.0
             for b in range((window + block_size - 1) // block_size):
                 region = cache[block_table[request, b], h]
-                keys_t = region[key_base : key_base + head_size * block_size].reshape((head_size, block_size))
-                values = region[value_base : value_base + block_size * head_size].reshape((block_size, head_size))
+                keys_t = _as_float32(region[key_base : key_base + head_size * block_size].reshape((head_size, block_size)), keys_scratch)
+                values = _as_float32(region[value_base : value_base + block_size * head_size].reshape((block_size, head_size)),
+                                     values_scratch)
                 first = b * block_size
                 tokens = min(block_size, window - first)
                 _attend_block(q, keys_t, values, tokens, first - start, ancestor_mask[t], group, logits, probs, partial, acc, maxima,
                               totals, exponent_bits)
             for r in range(rows):
-                target = output[node_rows[t, r // group], h * group + r % group]
-                inverse = np.float32(1.0) / totals[r]
-                for d in range(head_size):
-                    target[d] = acc[r, d] * inverse
+                _store(output[node_rows[t, r // group], h * group + r % group], acc[r], np.float32(1.0) / totals[r])
 
 
 @_compiled
@@ -208,12 +263,13 @@ def warm_up() -> None:
             np.ones((1, 1, 1), np.bool_), np.zeros((1, 1), np.int64))
     fused = torch.zeros(2, 3, head_size)
     try:
-        for query in (torch.zeros(2, 1, head_size), fused[:, :1]):
-            attend_tree_rows(torch.zeros(2, 1, head_size), query, cache, layout, *host, 1.0)
+        for dtype in DTYPES:
+            for query in (torch.zeros(2, 1, head_size), fused[:, :1]):
+                attend_tree_rows(torch.zeros(2, 1, head_size, dtype=dtype), query.to(dtype), cache.to(dtype), layout, *host, 1.0)
     except Exception as error:  # numba's typing and lowering errors have no common base besides Exception
         _compiled_ok = False
         logger.warning("method 'ddtree': the compiled CPU tree attention is unavailable (%s: %s); tree rows run "
-                       "the torch formulation (slower at small batches; installing scipy enables it)",
+                       "the torch formulation (slower at small batches; numba's np.dot needs scipy)",
                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         return
     _compiled_ok = True
