@@ -15,8 +15,8 @@ settings that computes the references (`plain`). Each probe (`_probes`) is one r
   extremes (huge and infinite logit biases, one allowed token, bad words longer than the output /
   overlapping / single-token, min_tokens = max_tokens, max_tokens 1 and 1e9, stop strings with
   logprobs and with a grammar, penalties at their limits and beyond (+inf logits), logprobs at vLLM's
-  max with prompt_logprobs and penalties, grammars that admit only EOS or one string, a prompt of
-  max_model_len - 1 tokens), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k
+  max with prompt_logprobs and penalties, grammars that admit only EOS or one string, a grammar that
+  ends before min_tokens with stop_token_ids (found by a random fuzz), a prompt of max_model_len - 1 tokens), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k
   1 at T 2) and sampled requests whose rows have no mass at all (every token masked; +inf biases);
 - seeded sampled requests (n > 1 with penalties, top_k past the vocabulary, T 2, T 1e-6 (vLLM clamps
   it to 0.01), a grammar, a choice with n 2, logprobs and a stop string, seeds at both ends of the
@@ -159,6 +159,12 @@ def _probes(free: list[list[int]], tokenizer: Any) -> dict[str, Probe]:
         "json const": p(3, structured_outputs=Structured(json={"const": 1}), ignore_eos=False),
         "one choice, ignore_eos": p(4, structured_outputs=Structured(choice=["return"]), max_tokens=12),
         "grammar vs allowed_token_ids": p(5, structured_outputs=Structured(choice=["return"]), allowed_token_ids=[f5], ignore_eos=False),
+        # the grammar ends before min_tokens: vLLM keeps a structured request's stop tokens where masking them
+        # would leave no token at all, so it stops on the best stop token
+        "grammar ended before min_tokens, stop_token_ids": p(6, structured_outputs=Structured(choice=["return"]), min_tokens=5,
+                                                             stop_token_ids=[f0, f1], ignore_eos=False),
+        "grammar ended before min_tokens, stop_token_ids, ignore_eos": p(7, structured_outputs=Structured(choice=["return"]),
+                                                                         min_tokens=5, stop_token_ids=[f2]),
         "max_tokens 1e9 (cut at max_model_len)": Probe(_long_prompt(MAX_MODEL_LEN - 30), {"max_tokens": 10**9, "presence_penalty": 1.0}),
         "prompt of max_model_len - 1 tokens": Probe(_long_prompt(MAX_MODEL_LEN - 1), {"logprobs": 3, "prompt_logprobs": 2, "presence_penalty": 0.5}),
         "prompt of max_model_len - 1 tokens, a grammar": Probe(_long_prompt(MAX_MODEL_LEN - 1), {"structured_outputs": Structured(choice=["return"])}),

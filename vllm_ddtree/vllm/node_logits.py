@@ -104,11 +104,22 @@ def _histories(step: TreeStep, output_token_ids: list[list[int]], requests: set[
 
 
 def _mask_stops_before_min_tokens(node_logits: torch.Tensor, step: TreeStep, processor: MinTokensLogitsProcessor) -> None:
-    """Stop tokens are masked at nodes whose output position len(output) + depth is below min_tokens."""
-    for request, (min_tokens, output, stop_token_ids, _) in processor.min_toks.items():
+    """Stop tokens are masked at nodes whose output position len(output) + depth is below min_tokens;
+    for a structured-output request, a node's stop tokens keep their (finite) logits where masking them
+    would leave the node's row without mass (vLLM's `_mask_stop_token_logits`: a grammar that has ended
+    admits only stop tokens)."""
+    for request, (min_tokens, output, stop_token_ids, structured) in processor.min_toks.items():
         if request >= node_logits.shape[0] or not stop_token_ids:
             continue
         early = (step.tree.depths[request] < min_tokens - len(output)).nonzero().squeeze(1)
-        if early.numel():
-            stops = torch.tensor(sorted(stop_token_ids))
-            node_logits[request, early.unsqueeze(1), stops.unsqueeze(0)] = float("-inf")
+        if not early.numel():
+            continue
+        stops = torch.tensor(sorted(stop_token_ids), device=node_logits.device)
+        early = early.to(node_logits.device)
+        rows = node_logits[request]
+        stop_logits = rows[early.unsqueeze(1), stops.unsqueeze(0)]  # [E, S], a copy
+        rows[early.unsqueeze(1), stops.unsqueeze(0)] = float("-inf")
+        if structured:
+            restore = torch.isneginf(rows[early]).all(dim=-1, keepdim=True) & torch.isfinite(stop_logits)
+            nodes, columns = restore.nonzero(as_tuple=True)
+            rows[early[nodes], stops[columns]] = stop_logits[nodes, columns]
