@@ -7,13 +7,15 @@ computed here, once:
 - the kernel does not compute them: when the trees' nodes are the whole batch (batch 1) it is not
   called; otherwise each such request's kernel seq_len is cut to its own rows (`attach_tree`), so the
   kernel spends a few rows x rows on them, whatever the prefix length, and those rows are overwritten;
-- the request's window (prefix + nodes, whose K/V the cache already holds) is read once, run of
+- the request's window (prefix + nodes, whose K/V the cache already holds) is read once, in place:
+  by one compiled call per layer where it serves (`cpu_tree_kernel`: float32 or bfloat16, vLLM's "vec"
+  layouts; block by block, online softmax), else by the torch formulation (`tree_attention`): run of
   consecutive cache blocks by run, through views of the paged cache (`paged_kv.block_run`: no copy for
   the "vec" layouts). Per run: logits = q k^T, the tree mask added on the window's last blocks only
-  (where the nodes are), the run's softmax and its log-sum-exp; runs merge by log-sum-exp. So the cost
-  beyond the rows x rows part is one read of the window and one q k^T / p v over it.
+  (where the nodes are), the run's softmax and its log-sum-exp; runs merge by log-sum-exp. Either way
+  the cost beyond the rows x rows part is one read of the window and one q k^T / p v over it.
 vLLM's kernel returns no log-sum-exp (`cpu_attention_with_kv_cache` writes the normalized output only),
-so its prefix attention cannot be merged with a node-to-node part; the prefix goes through the views.
+so its prefix attention cannot be merged with a node-to-node part; the prefix is read here.
 """
 
 from __future__ import annotations
