@@ -23,6 +23,7 @@ float32 block by block); otherwise the caller runs the torch formulation.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 from collections.abc import Callable
@@ -248,6 +249,21 @@ def _attend_block(
     acc += partial
 
 
+def _one_blas_thread() -> None:
+    """One thread for the BLAS that numba's np.dot calls (scipy's OpenBLAS, loaded by then): it would
+    otherwise split the larger products over a worker per core, whose threads spin between calls against
+    vLLM's own (measured: a 264 x 64 x 128 product started a worker). Best effort: a BLAS without the
+    call is left as it is."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and line.rstrip().endswith(".so")}
+    for path in paths:
+        library = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads", "openblas_set_num_threads"):
+            if hasattr(library, name):
+                getattr(library, name)(1)
+                break
+
+
 def warm_up() -> None:
     """Compile the kernel (or load it from numba's cache) for a contiguous query and for a view of a
     fused qkv projection (strided rows), so that no step pays a compilation; on failure (numba's np.dot
@@ -273,3 +289,7 @@ def warm_up() -> None:
                        type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         return
     _compiled_ok = True
+    try:
+        _one_blas_thread()
+    except OSError as error:  # no /proc (not Linux) or a library ctypes cannot open: BLAS threads as they are
+        logger.debug("method 'ddtree': BLAS threads left as they are (%s)", error)
