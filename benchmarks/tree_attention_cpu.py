@@ -73,9 +73,10 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
     )
     layout = probe_layout(isa, block_size, head_size, dtype)
     from vllm_ddtree.vllm.attention import tree_attention
-    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, warm_up
 
     attention = TreeAttention.build(tree_rows, block_table, block_size)
+    warm_up()  # as the engine does at model load (BLAS threads included)
 
     def tree_verify() -> None:
         attended = tree_attention(query, cache, attention, layout, num_kv_heads, scale)
