@@ -250,10 +250,10 @@ def _attend_block(
 
 
 def _one_blas_thread() -> None:
-    """One thread for the BLAS that numba's np.dot calls (scipy's OpenBLAS, loaded by then): it would
-    otherwise split the larger products over a worker per core, whose threads spin between calls against
-    vLLM's own (measured: a 264 x 64 x 128 product started a worker). Best effort: a BLAS without the
-    call is left as it is."""
+    """One thread for the BLAS that numba's np.dot calls (scipy's OpenBLAS, loaded by then): it starts a
+    pool of a worker per core when it loads (seen here: one beside the caller on two cores) and would
+    split the products above its size threshold over them, workers that spin between calls against
+    vLLM's own threads. Best effort: a BLAS without the call is left as it is."""
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "openblas" in line.lower() and line.rstrip().endswith(".so")}
     for path in paths:
