@@ -31,9 +31,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from numba import njit, types
+from numba import types
 from numba.extending import overload
 
+from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.paged_kv import RegionLayout
 
 logger = logging.getLogger("vllm.ddtree")
@@ -44,11 +45,8 @@ assumptions: masked logits are -inf."""
 
 
 def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """numba's compiled `function` with `_FASTMATH`, cached on disk as `host_tree._compiled` does."""
-    try:
-        return njit(cache=True, nogil=True, fastmath=_FASTMATH)(function)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return njit(nogil=True, fastmath=_FASTMATH)(function)
+    """`host_tree._compiled` with `_FASTMATH`."""
+    return host_tree._compiled(function, fastmath=_FASTMATH)
 
 
 _compiled_ok: bool | None = None

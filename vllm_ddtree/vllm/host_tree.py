@@ -27,13 +27,13 @@ from vllm_ddtree.core.accept import TreeAcceptance, accept_tree, max_path_length
 from vllm_ddtree.core.budget import TreeShape, read_off_shapes
 from vllm_ddtree.core.tree import MAX_BUDGET, MIN_LOGPROB, NEG_INF, SCORE_BITS, DraftTree, build_draft_trees, chain_token_ids_of
 
-def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """numba's compiled `function`, cached on disk where numba finds a writable place (next to this file,
-    else the user's cache directory), else compiled anew in every process."""
+def _compiled(function: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """numba's compiled `function` (with njit `options`), cached on disk where numba finds a writable
+    place (next to this file, else the user's cache directory), else compiled anew in every process."""
     try:
-        return njit(cache=True, nogil=True)(function)
+        return njit(cache=True, nogil=True, **options)(function)
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return njit(nogil=True)(function)
+        return njit(nogil=True, **options)(function)
 
 
 _HEAP_FIELDS = 5
