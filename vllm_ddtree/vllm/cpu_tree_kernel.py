@@ -155,6 +155,10 @@ def _tree_attention(
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = cache.shape[1]
     group = num_heads // num_kv_heads
+    exponent_bits = np.empty(block_size, np.int32)  # scratch whose size no request changes
+    query_row = np.empty(head_size, np.float32)
+    keys_scratch = np.empty((head_size, block_size), np.float32)
+    values_scratch = np.empty((block_size, head_size), np.float32)
     for t in range(starts.shape[0]):
         nodes, start, request = num_nodes[t], starts[t], req_indices[t]
         window = start + nodes
@@ -166,10 +170,6 @@ def _tree_attention(
         partial = np.empty((rows, head_size), np.float32)
         maxima = np.empty(rows, np.float32)
         totals = np.empty(rows, np.float32)
-        exponent_bits = np.empty(block_size, np.int32)
-        query_row = np.empty(head_size, np.float32)
-        keys_scratch = np.empty((head_size, block_size), np.float32)
-        values_scratch = np.empty((block_size, head_size), np.float32)
         for h in range(num_kv_heads):
             for r in range(rows):
                 source = _as_float32(query[node_rows[t, r // group], h * group + r % group], query_row)
