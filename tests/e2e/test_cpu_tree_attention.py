@@ -80,7 +80,7 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
     from vllm import _custom_ops as ops
 
     from vllm_ddtree.vllm.attention import TreeAttention, _kernel_serves, tree_attention
-    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, vec_layout
     from vllm_ddtree.vllm.paged_kv import probe_layout
 
     gen = torch.Generator().manual_seed(problem["seed"])
@@ -113,6 +113,9 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
     torch.testing.assert_close(got.double(), expected, atol=2e-5, rtol=2e-5)
     assert torch.equal(tree.valid_rows, rows.node_rows[rows.valid])
 
+    if isa == "vec":  # the layout the kernel's warm-up and tests describe is the one vLLM writes
+        described = vec_layout(block_size, head_size)
+        assert torch.equal(layout.key_offsets, described.key_offsets) and torch.equal(layout.value_offsets, described.value_offsets)
     # the compiled kernel, where it serves: the same rows, written in place; no other row touched
     output = torch.full_like(query, float("nan"))
     assert _kernel_serves(query, cache, output, layout) == (isa == "vec")
@@ -190,11 +193,9 @@ def test_tree_rows_fall_back_to_torch_when_the_kernel_did_not_compile(monkeypatc
     """Without the compiled kernel (numba's np.dot needs scipy) every layer takes the torch formulation."""
     from vllm_ddtree.vllm import cpu_tree_kernel
     from vllm_ddtree.vllm.attention import _kernel_serves
-    from vllm_ddtree.vllm.paged_kv import RegionLayout
 
     block_size, head_size = 4, 2
-    layout = RegionLayout(torch.arange(head_size * block_size).view(head_size, block_size).t(),
-                          head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
+    layout = cpu_tree_kernel.vec_layout(block_size, head_size)
     query, cache = torch.zeros(3, 2, head_size), torch.zeros(2, 1, block_size, 2 * head_size)
     assert _kernel_serves(query, cache, torch.zeros_like(query), layout)
     monkeypatch.setattr(cpu_tree_kernel, "_compiled_ok", False)

@@ -67,6 +67,13 @@ def layout_supported(layout: RegionLayout) -> bool:
     return keys is not None and values is not None and keys[1:] == (1, block_size) and values[1:] == (head_size, 1)
 
 
+def vec_layout(block_size: int, head_size: int) -> RegionLayout:
+    """vLLM's "vec" region layout (keys [head_size, block_size] then values [block_size, head_size],
+    row-major), as `paged_kv.probe_layout` reads it: for compiling and testing without a cache."""
+    keys = torch.arange(head_size * block_size).view(head_size, block_size).t()
+    return RegionLayout(keys, head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
+
+
 def attend_tree_rows(
     output: torch.Tensor,
     query: torch.Tensor,
@@ -271,8 +278,7 @@ def warm_up() -> None:
         return
     block_size, head_size, num_kv_heads = 4, 2, 1
     cache = torch.zeros(1, num_kv_heads, block_size, 2 * head_size)
-    key_offsets = torch.arange(head_size * block_size).view(head_size, block_size).t()
-    layout = RegionLayout(key_offsets, head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
+    layout = vec_layout(block_size, head_size)
     host = (np.zeros((1, 1), np.int32), np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64),
             np.ones((1, 1, 1), np.bool_), np.zeros((1, 1), np.int64))
     fused = torch.zeros(2, 3, head_size)
