@@ -39,7 +39,6 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.vllm import cpu_tree_kernel
-from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, layout_supported
 from vllm_ddtree.vllm.host_tree import tree_windows
 from vllm_ddtree.vllm.paged_kv import block_run, probe_layout
 from vllm_ddtree.vllm.tree_step import TreeRows
@@ -212,7 +211,7 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if tree is not None:
             layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
             if _kernel_serves(query, kv_cache, output, layout):
-                attend_tree_rows(output.view(query.shape), query, kv_cache, layout, *tree.host_arrays, self.scale)
+                cpu_tree_kernel.attend_tree_rows(output.view(query.shape), query, kv_cache, layout, *tree.host_arrays, self.scale)
                 return output
             attended = tree_attention(query, kv_cache, tree, layout, self.num_kv_heads, self.scale)
             output.index_copy_(0, tree.valid_rows, attended.reshape(-1, *output.shape[1:]).to(output.dtype))
@@ -237,7 +236,7 @@ def _kernel_serves(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Te
     """Whether the compiled kernel takes this layer's tree rows: it compiled, one dtype it reads
     throughout, vLLM's "vec" cache layout, an output it can write in place."""
     return (query.dtype == kv_cache.dtype == output.dtype and query.dtype in cpu_tree_kernel.DTYPES and output.is_contiguous()
-            and kv_cache.is_contiguous() and layout_supported(layout) and cpu_tree_kernel.available())
+            and kv_cache.is_contiguous() and cpu_tree_kernel.layout_supported(layout) and cpu_tree_kernel.available())
 
 
 def tree_attention(
