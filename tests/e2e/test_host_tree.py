@@ -22,6 +22,7 @@ from vllm_ddtree.core import (
     tree_attention_mask,
 )
 from vllm_ddtree.vllm.host_tree import (
+    accept_greedy_rows_on_host,
     accept_tree_on_host,
     accepted_by_shape_on_host,
     build_draft_trees_on_host,
@@ -86,6 +87,35 @@ def test_compiled_walk_accepts_what_the_core_accepts(table, budget, dtype, data)
         for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
             a, b = getattr(walked, name), getattr(reference, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@given(draft_tables(max_depth=7, max_topk=6, vocab=8), st.integers(0, 40), st.data())
+def test_greedy_walk_reads_each_nodes_row_then_walks(table, budget, data):
+    """Trees cut to a drawn number of drafts each (the scheduler's cut: a tree's first nodes), one logits row
+    per node in batch order and a row token drawn per row: the fused call's node tokens are the rows' tokens
+    at `TreeStep.node_logit_rows` (a padded node: its root's), its acceptance the walk's, its output rows the
+    acceptance's output padded with -1 to the step's width, as int32."""
+    tree = build_draft_trees(*table, budget)
+    cut = torch.tensor([data.draw(st.integers(0, int(n) - 1)) for n in tree.num_nodes])
+    width = int(cut.max()) + 1
+    valid = torch.arange(width) < (cut + 1).unsqueeze(1)
+    tree = dataclasses.replace(
+        tree, token_ids=tree.token_ids[:, :width], parents=torch.where(valid, tree.parents[:, :width], -1),
+        depths=torch.where(valid, tree.depths[:, :width], 0), ranks=torch.where(valid, tree.ranks[:, :width], 0),
+        valid=valid, num_nodes=cut + 1, max_depth=int(torch.where(valid, tree.depths[:, :width], 0).max()),
+    )
+    num_rows = int((cut + 1).sum())
+    row_tokens = torch.tensor(data.draw(st.lists(st.integers(0, 7), min_size=num_rows, max_size=num_rows)), dtype=torch.long)
+    node_rows = (torch.cumsum(cut + 1, 0) - (cut + 1)).unsqueeze(1) + torch.where(valid, torch.arange(width), 0)
+    target, acceptance, output = accept_greedy_rows_on_host(tree, cut, row_tokens)
+    assert target.dtype == torch.long and torch.equal(target, row_tokens[node_rows])
+    reference = accept_tree(tree, target)
+    for name in ("accepted_nodes", "num_accepted", "output_token_ids", "bonus_token_ids"):
+        a, b = getattr(acceptance, name), getattr(reference, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    expected = torch.full((tree.num_requests, width), -1, dtype=torch.int32)
+    expected[:, : reference.output_token_ids.shape[1]] = reference.output_token_ids
+    assert output.dtype == torch.int32 and torch.equal(output, expected)
 
 
 @settings(max_examples=200)

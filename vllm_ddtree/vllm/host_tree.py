@@ -1,6 +1,7 @@
 """The host's per-step tree work, compiled by numba (a dependency of vLLM): the draft trees (and the
 draft's chain), their ancestor masks, the tree-attention bias of the verify windows, the acceptance
-walk, and what each candidate shape would have accepted (the budget policy's read-off).
+walk (for a greedy step, together with reading each node's token off its logits row), and what each
+candidate shape would have accepted (the budget policy's read-off).
 
 Each function returns exactly what its reference in `vllm_ddtree.core` (or, for the window bias, the
 numpy formula its docstring states) returns, field by field and dtype by dtype; the property tests
@@ -290,6 +291,41 @@ def accept_tree_on_host(tree: DraftTree, target_token_ids: torch.Tensor) -> Tree
     return TreeAcceptance(*map(torch.from_numpy, (accepted_nodes, num_accepted, output, bonus.astype(target.dtype, copy=False))))
 
 
+@_compiled
+def _greedy_walk(
+    row_tokens: np.ndarray, num_drafts: np.ndarray, tokens: np.ndarray, parents: np.ndarray, valid: np.ndarray, path_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    num_req, num_nodes = tokens.shape
+    target = np.empty((num_req, num_nodes), dtype=np.int64)
+    first = 0  # request r's first logits row
+    for r in range(num_req):
+        for i in range(num_nodes):
+            target[r, i] = row_tokens[first + i] if valid[r, i] else row_tokens[first]
+        first += 1 + num_drafts[r]
+    accepted_nodes, num_accepted, output, bonus = _walk(tokens, parents, valid, target, path_len)
+    rows = np.full((num_req, num_nodes), -1, dtype=np.int32)
+    rows[:, :path_len] = output
+    return target, accepted_nodes, num_accepted, output, bonus, rows
+
+
+def accept_greedy_rows_on_host(
+    tree: DraftTree, num_drafts: torch.Tensor, row_tokens: torch.Tensor
+) -> tuple[torch.Tensor, TreeAcceptance, torch.Tensor]:
+    """A greedy step's node tokens, walk and output in one compiled call: (target_token_ids [R, N],
+    `accept_tree_on_host(tree, target_token_ids)`, vLLM's output rows [R, N] int32: output_token_ids,
+    -1 padded). row_tokens [rows] int64: the target's token at every row of the step's logits, which
+    hold 1 + num_drafts[r] rows per request in batch order; node i of request r takes the row
+    (sum of 1 + num_drafts[q] for q < r) + i, a padded node its root's (`TreeStep.node_logit_rows`).
+    One call instead of the index arithmetic, the gather, the walk and the padding: each is a few
+    microseconds of work, but each costs tens once the forward has evicted the caches."""
+    target, accepted_nodes, num_accepted, output, bonus, rows = _greedy_walk(
+        _int64(row_tokens), _int64(num_drafts), _int64(tree.token_ids), _int64(tree.parents),
+        np.ascontiguousarray(tree.valid.numpy()), max_path_length(tree),
+    )
+    acceptance = TreeAcceptance(*map(torch.from_numpy, (accepted_nodes, num_accepted, output, bonus)))
+    return torch.from_numpy(target), acceptance, torch.from_numpy(rows)
+
+
 def kv_moves_on_host(acceptance: TreeAcceptance) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The real moves of `vllm_ddtree.core.kv_compaction_plan(acceptance)` (its entries with is_move), in
     its row-major order: (requests, src_offsets, dst_offsets) [M] int64. Three numpy operations instead
@@ -378,6 +414,7 @@ def warm_up() -> None:
     logprobs = torch.tensor([[[-0.5, -1.0], [-0.2, -2.0]]])
     tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3, with_chain=True)
     acceptance = accept_tree_on_host(tree, torch.zeros_like(tree.token_ids))
+    accept_greedy_rows_on_host(tree, tree.num_nodes - 1, torch.zeros(int(tree.num_nodes.sum()), dtype=torch.long))
     shapes = [TreeShape(0, 1), TreeShape(2, 1), TreeShape(3)]
     for used in shapes[1:]:
         accepted_by_shape_on_host(shapes, used, tree, acceptance.accepted_nodes, np.ones(1, dtype=np.bool_), torch.zeros_like(tree.token_ids))

@@ -50,6 +50,7 @@ from vllm_ddtree.core import (
     compact_rows_,
     kv_compaction_plan,
 )
+from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm import host_tree
@@ -352,8 +353,12 @@ class DDTreeRunnerMixin:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         with self.stage_times.stage(ACCEPTANCE):
             self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
-            processed = self._sample_nodes(logits, step)
-            output = self._walk(step)
+            metadata = self.input_batch.sampling_metadata
+            if metadata.all_greedy and not needs_node_processing(metadata):  # every node's token: its row's argmax
+                processed, output = None, self._accept_greedy(logits, step)
+            else:
+                processed = self._sample_nodes(logits, step)
+                output = self._walk(step)
             logprobs = self._emitted_logprobs(logits, processed, step, output)
         if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
             with self.stage_times.stage(KV_COMPACTION):
@@ -379,6 +384,14 @@ class DDTreeRunnerMixin:
         # tokens back anyway (a no-op on CPU).
         step.target_token_ids = get_tp_group().broadcast(target, src=0).cpu()
         return processed
+
+    def _accept_greedy(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor:
+        """`_sample_nodes` then `_walk` for a greedy batch without history-dependent options: the argmax
+        of every logits row (TP rank 0's on every rank), then one compiled call reads the nodes' tokens
+        off their rows, walks the trees and pads vLLM's output rows (`accept_greedy_rows_on_host`)."""
+        row_tokens = get_tp_group().broadcast(argmax_first(logits), src=0).cpu()
+        step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
+        return output
 
     def _grammar_filtered_trees(self, trees: Any, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> Any:
         """The drafter's new trees with the structured requests' rebuilt from grammar-admitted candidates
