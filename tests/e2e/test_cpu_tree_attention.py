@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.e2e.paged_rows import row_index
 from vllm_ddtree.core import DraftTree, tree_attention_mask
 from vllm_ddtree.vllm.tree_step import TreeRows
 
@@ -37,8 +38,6 @@ def random_rows(num_nodes: list[int], starts: list[int], gen: torch.Generator) -
 def reference(query, kv_cache, rows: TreeRows, block_table, layout, num_kv_heads, scale) -> torch.Tensor:
     """[M, H, D] float64, real nodes in (request, node) order: node i of request t attends to positions
     0 .. start - 1 and its ancestors and itself, read position by position through the block table."""
-    from vllm_ddtree.vllm.paged_kv import row_index
-
     block_size = layout.block_size
     out = []
     for t in range(rows.req_indices.numel()):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.e2e.paged_rows import row_index
+
 
 def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys, values), each [S, num_kv_heads, head_size], at a `paged_kv.row_index`."""
@@ -18,7 +20,7 @@ def test_rows_written_by_vllm_read_back_and_move(dtype, block_size, head_size):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, read_blocks, row_index
+    from vllm_ddtree.vllm.paged_kv import cache_bits, move_rows, probe_layout, read_blocks
 
     isa = _get_attn_isa(dtype, block_size, head_size)
     num_blocks, num_heads = 5, 2
@@ -46,6 +48,6 @@ def test_rows_written_by_vllm_read_back_and_move(dtype, block_size, head_size):
 
     # Overlapping move (a later source is an earlier destination): sources are read before writing.
     src, dst = slots[4:12], slots[:8]
-    move_rows(cache, row_index(layout, src, num_heads), row_index(layout, dst, num_heads))
+    move_rows(cache_bits(cache), layout, num_heads, src.numpy(), dst.numpy())
     moved_keys, moved_values = read_rows(cache, row_index(layout, dst, num_heads))
     assert torch.equal(moved_keys, keys[4:12]) and torch.equal(moved_values, values[4:12])

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from typing_extensions import override
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from vllm_ddtree.vllm import cpu_tree_kernel
+from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
-from vllm_ddtree.vllm.paged_kv import move_rows, probe_layout, row_index
+from vllm_ddtree.vllm.paged_kv import RegionLayout, cache_bits, move_rows, probe_layout
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 
@@ -27,6 +28,7 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         cpu_tree_kernel.warm_up()  # compiled now, not in the first steps the budget policy times
+        paged_kv.warm_up()
 
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
@@ -47,16 +49,24 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     _moves_kv_on_host = True
 
     @override
+    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(*args, **kwargs)
+        self._kv_row_caches = None
+
+    _kv_row_caches: list[tuple[np.ndarray, RegionLayout, int]] | None = None
+    """Every target attention layer's cache as `cache_bits`, its layout and KV heads (built at the first
+    move after the caches are bound)."""
+
+    @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        indices: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer in self._target_attention_layers():
-            kv_cache = layer.kv_cache
-            layout = probe_layout(layer.isa, kv_cache.shape[2], layer.head_size, kv_cache.dtype)
-            key = (id(layout), layer.num_kv_heads)
-            if key not in indices:  # one index computation for sources and destinations
-                both = row_index(layout, torch.cat([src_slots, dst_slots]), layer.num_kv_heads)
-                indices[key] = both.tensor_split(2, dim=1)
-            move_rows(kv_cache, *indices[key])
+        if self._kv_row_caches is None:
+            self._kv_row_caches = [
+                (cache_bits(layer.kv_cache), probe_layout(layer.isa, layer.kv_cache.shape[2], layer.head_size, layer.kv_cache.dtype), layer.num_kv_heads)
+                for layer in self._target_attention_layers()
+            ]
+        src, dst = src_slots.numpy().astype(np.int64, copy=False), dst_slots.numpy().astype(np.int64, copy=False)
+        for bits, layout, num_kv_heads in self._kv_row_caches:
+            move_rows(bits, layout, num_kv_heads, src, dst)
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:

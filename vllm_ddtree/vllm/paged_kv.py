@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_ddtree.vllm.host_tree import _compiled
+
 _BASE = 16  # digits 1..16 are exact in every float dtype a KV cache uses
 
 
@@ -34,8 +36,7 @@ class RegionLayout:
 
     @functools.cached_property
     def offsets(self) -> np.ndarray:
-        """[2, block_size, head_size]: key_offsets and value_offsets stacked, as numpy (`row_index` runs at
-        every step whose accepted nodes move: a handful of numpy operations, not torch's)."""
+        """[2, block_size, head_size] int64: key_offsets and value_offsets stacked, as numpy (`move_rows`)."""
         return torch.stack([self.key_offsets, self.value_offsets]).numpy()
 
     @functools.cached_property
@@ -97,17 +98,6 @@ def probe_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) 
     )
 
 
-def row_index(layout: RegionLayout, slots: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[2, S, num_kv_heads, head_size] flat element indices (keys, values) of the tokens at `slots` [S]
-    (a host tensor) in a contiguous cache [num_blocks, num_kv_heads, block_size, 2 * head_size] of this
-    layout."""
-    block_size, head_size = layout.key_offsets.shape
-    region = 2 * block_size * head_size
-    blocks, rows = np.divmod(slots.numpy().astype(np.int64, copy=False), block_size)
-    regions = (blocks[:, None] * num_kv_heads + np.arange(num_kv_heads)) * region  # [S, num_kv_heads]
-    return torch.from_numpy(regions[None, :, :, None] + layout.offsets[:, rows, None, :])
-
-
 def block_run(kv_cache: torch.Tensor, first_block: int, num_blocks: int, layout: RegionLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys_t, values) of the consecutive cache blocks first_block .. first_block + num_blocks - 1:
     keys_t [num_blocks, num_kv_heads, head_size, block_size] (keys transposed, ready for q @ k^T),
@@ -156,8 +146,45 @@ def read_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, layout: RegionL
     return tokens(layout.key_offsets, layout.key_strides), tokens(layout.value_offsets, layout.value_strides)
 
 
-def move_rows(kv_cache: torch.Tensor, src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
-    """Copy the token rows at `src_index` to `dst_index` (both `row_index`es); sources are read first.
-    (index_select / index_copy_: 7 against 12 us per layer for advanced indexing at 5 moved rows.)"""
-    flat = kv_cache.view(-1)
-    flat.index_copy_(0, dst_index.reshape(-1), flat.index_select(0, src_index.reshape(-1)))
+_SAME_WIDTH_INTEGERS = {2: torch.int16, 4: torch.int32}
+
+
+def cache_bits(kv_cache: torch.Tensor) -> np.ndarray:
+    """The cache's elements as a flat numpy view of integers of their width (`move_rows` moves bits, not
+    values; bfloat16 has no numpy dtype)."""
+    return kv_cache.view(-1).view(_SAME_WIDTH_INTEGERS[kv_cache.element_size()]).numpy()
+
+
+@_compiled
+def _move_rows(bits: np.ndarray, offsets: np.ndarray, num_kv_heads: int, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+    _, block_size, head_size = offsets.shape
+    region = 2 * block_size * head_size
+    moved = np.empty((src_slots.size, 2, num_kv_heads, head_size), dtype=bits.dtype)
+    for writing in (False, True):  # every source is read before any destination is written
+        for m in range(src_slots.size):
+            slot = dst_slots[m] if writing else src_slots[m]
+            block, row = slot // block_size, slot % block_size
+            for part in range(2):  # keys, values
+                for head in range(num_kv_heads):
+                    base = (block * num_kv_heads + head) * region
+                    for d in range(head_size):
+                        at = base + offsets[part, row, d]
+                        if writing:
+                            bits[at] = moved[m, part, head, d]
+                        else:
+                            moved[m, part, head, d] = bits[at]
+
+
+def move_rows(bits: np.ndarray, layout: RegionLayout, num_kv_heads: int, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+    """Copy the token rows (keys and values of every KV head) at `src_slots` to `dst_slots` [M] int64 in a
+    cache [num_blocks, num_kv_heads, block_size, 2 * head_size] of this layout, seen as `cache_bits`;
+    sources are read first. Compiled: one call per layer, against two torch index operations of
+    7-12 us each."""
+    _move_rows(bits, layout.offsets, num_kv_heads, src_slots, dst_slots)
+
+
+def warm_up() -> None:
+    """Compile `move_rows` for both widths of cache element (or load it from the cache)."""
+    offsets, slots = np.zeros((2, 1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64)
+    for dtype in (torch.bfloat16, torch.float32):
+        _move_rows(cache_bits(torch.zeros(2, dtype=dtype)), offsets, 1, slots, slots)
