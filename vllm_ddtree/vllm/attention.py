@@ -40,7 +40,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from vllm_ddtree.vllm import cpu_tree_kernel
 from vllm_ddtree.vllm.host_tree import tree_windows
-from vllm_ddtree.vllm.paged_kv import block_run, probe_layout
+from vllm_ddtree.vllm.paged_kv import RegionLayout, block_run, probe_layout
 from vllm_ddtree.vllm.tree_step import TreeRows
 
 
@@ -192,6 +192,10 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
+    _tree_path: tuple[RegionLayout, bool] | None = None
+    """The layer's cache layout and whether the compiled kernel takes its tree rows (`_kernel_serves`),
+    decided at its first tree step."""
+
     @override
     def forward(
         self,
@@ -209,8 +213,11 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if tree is None or getattr(attn_metadata, "run_kernel", True):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if tree is not None:
-            layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-            if _kernel_serves(query, kv_cache, output, layout):
+            if self._tree_path is None:  # the layer's dtypes, cache layout and output buffers never change
+                layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
+                self._tree_path = (layout, _kernel_serves(query, kv_cache, output, layout))
+            layout, kernel_serves = self._tree_path
+            if kernel_serves:
                 cpu_tree_kernel.attend_tree_rows(output.view(query.shape), query, kv_cache, layout, *tree.host_arrays, self.scale)
                 return output
             attended = tree_attention(query, kv_cache, tree, layout, self.num_kv_heads, self.scale)

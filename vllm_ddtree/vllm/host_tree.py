@@ -326,13 +326,24 @@ def accept_greedy_rows_on_host(
     return torch.from_numpy(target), acceptance, torch.from_numpy(rows)
 
 
+@_compiled
+def _kv_moves(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    num_req, path_len = nodes.shape
+    moves = np.empty((3, nodes.size), dtype=np.int64)
+    count = 0
+    for r in range(num_req):
+        for k in range(path_len):
+            if nodes[r, k] >= 0 and nodes[r, k] != k:
+                moves[0, count], moves[1, count], moves[2, count] = r, nodes[r, k], k
+                count += 1
+    return moves[0, :count].copy(), moves[1, :count].copy(), moves[2, :count].copy()
+
+
 def kv_moves_on_host(acceptance: TreeAcceptance) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The real moves of `vllm_ddtree.core.kv_compaction_plan(acceptance)` (its entries with is_move), in
-    its row-major order: (requests, src_offsets, dst_offsets) [M] int64. Three numpy operations instead
-    of the plan's torch ones, which a host step reads back anyway to skip the identity entries."""
-    nodes = acceptance.accepted_nodes.numpy()
-    requests, dst_offsets = np.nonzero((nodes >= 0) & (nodes != np.arange(nodes.shape[1])))
-    return requests, nodes[requests, dst_offsets].astype(np.int64, copy=False), dst_offsets
+    its row-major order: (requests, src_offsets, dst_offsets) [M] int64. One compiled pass instead of
+    the plan's torch operations, which a host step reads back anyway to skip the identity entries."""
+    return _kv_moves(_int64(acceptance.accepted_nodes))
 
 
 @_compiled
@@ -415,6 +426,7 @@ def warm_up() -> None:
     tree = build_draft_trees_on_host(roots, logprobs, torch.tensor([[[1, 2], [3, 4]]]), 3, with_chain=True)
     acceptance = accept_tree_on_host(tree, torch.zeros_like(tree.token_ids))
     accept_greedy_rows_on_host(tree, tree.num_nodes - 1, torch.zeros(int(tree.num_nodes.sum()), dtype=torch.long))
+    kv_moves_on_host(acceptance)
     shapes = [TreeShape(0, 1), TreeShape(2, 1), TreeShape(3)]
     for used in shapes[1:]:
         accepted_by_shape_on_host(shapes, used, tree, acceptance.accepted_nodes, np.ones(1, dtype=np.bool_), torch.zeros_like(tree.token_ids))
