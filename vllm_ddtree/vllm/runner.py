@@ -202,9 +202,11 @@ class DDTreeRunnerMixin:
         if self.clock is not None:
             if scheduler_output.scheduled_new_reqs:
                 self.clock.policy.requests_arrived(len(scheduler_output.num_scheduled_tokens))
-            scheduled, drafts = scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
-            decode_only = all(count == 1 + len(drafts.get(req_id, ())) for req_id, count in scheduled.items())
-            self.clock.step_started(time.perf_counter(), len(scheduled), self._step_shape, decode_only)
+            # every request decodes (1 + its drafts): each is scheduled at least that many, so the sums tell
+            num_reqs = len(scheduler_output.num_scheduled_tokens)
+            num_drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
+            decode_only = scheduler_output.total_num_scheduled_tokens == num_reqs + num_drafts
+            self.clock.step_started(time.perf_counter(), num_reqs, self._step_shape, decode_only)
         with self.stage_times.stage(STEP):
             return super().execute_model(scheduler_output, *args, **kwargs)
 

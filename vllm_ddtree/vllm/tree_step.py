@@ -70,6 +70,8 @@ class Proposals:
             self._latest[req_id] = (trees, row)
 
     def drop(self, req_ids: Iterable[str]) -> None:
+        if not self._latest:  # steps without speculation keep none: no per-request loop
+            return
         for req_id in req_ids:
             self._latest.pop(req_id, None)
 
