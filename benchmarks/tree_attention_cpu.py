@@ -73,17 +73,18 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
     )
     layout = probe_layout(isa, block_size, head_size, dtype)
     from vllm_ddtree.vllm.attention import tree_attention
-    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, warm_up
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, layer_cache, warm_up
 
     attention = TreeAttention.build(tree_rows, block_table, block_size)
     warm_up()  # as the engine does at model load (BLAS threads included)
+    kernel_cache = layer_cache(cache, layout)  # once per layer, as the engine does
 
     def tree_verify() -> None:
         attended = tree_attention(query, cache, attention, layout, num_kv_heads, scale)
         output.index_copy_(0, attention.valid_rows, attended.reshape(-1, *output.shape[1:]))
 
     def compiled() -> None:
-        attend_tree_rows(output, query, cache, layout, *attention.host_arrays, scale)
+        attend_tree_rows(output, query, kernel_cache, *attention.host_arrays, scale)
 
     return {"chain": chain, "tree": tree_verify, "compiled": compiled}
 

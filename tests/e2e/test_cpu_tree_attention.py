@@ -79,7 +79,7 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
     from vllm import _custom_ops as ops
 
     from vllm_ddtree.vllm.attention import TreeAttention, _kernel_serves, tree_attention
-    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, vec_layout
+    from vllm_ddtree.vllm.cpu_tree_kernel import attend_tree_rows, layer_cache, vec_layout
     from vllm_ddtree.vllm.paged_kv import probe_layout
 
     gen = torch.Generator().manual_seed(problem["seed"])
@@ -123,7 +123,7 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
         fused[:, :num_heads] = query
         for q in (query, fused[:, :num_heads]):
             output.fill_(float("nan"))
-            attend_tree_rows(output, q, cache, layout, *tree.host_arrays, scale)
+            attend_tree_rows(output, q, layer_cache(cache, layout), *tree.host_arrays, scale)
             if dtype == torch.float32:
                 torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
             else:  # computed in float32, rounded to bfloat16 (half an ulp: 2^-9 relative)

@@ -192,9 +192,10 @@ class DDTreeCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
 
 
 class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    _tree_path: tuple[RegionLayout, bool] | None = None
-    """The layer's cache layout and whether the compiled kernel takes its tree rows (`_kernel_serves`),
-    decided at its first tree step."""
+    _tree_path: tuple[torch.Tensor, RegionLayout, cpu_tree_kernel.LayerCache | None] | None = None
+    """The layer's cache, its layout, and the cache as the compiled kernel reads it when the kernel takes
+    the layer's tree rows (`_kernel_serves`; else None: the torch formulation), decided at its first tree
+    step: the layer's dtypes, cache and output buffers never change."""
 
     @override
     def forward(
@@ -213,12 +214,13 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if tree is None or getattr(attn_metadata, "run_kernel", True):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         if tree is not None:
-            if self._tree_path is None:  # the layer's dtypes, cache layout and output buffers never change
+            if self._tree_path is None or self._tree_path[0] is not kv_cache:  # the layer's first tree step
                 layout = probe_layout(layer.isa, kv_cache.shape[2], self.head_size, kv_cache.dtype)
-                self._tree_path = (layout, _kernel_serves(query, kv_cache, output, layout))
-            layout, kernel_serves = self._tree_path
-            if kernel_serves:
-                cpu_tree_kernel.attend_tree_rows(output.view(query.shape), query, kv_cache, layout, *tree.host_arrays, self.scale)
+                serves = _kernel_serves(query, kv_cache, output, layout)
+                self._tree_path = (kv_cache, layout, cpu_tree_kernel.layer_cache(kv_cache, layout) if serves else None)
+            _, layout, cache = self._tree_path
+            if cache is not None:
+                cpu_tree_kernel.attend_tree_rows(output.view(query.shape), query, cache, *tree.host_arrays, self.scale)
                 return output
             attended = tree_attention(query, kv_cache, tree, layout, self.num_kv_heads, self.scale)
             output.index_copy_(0, tree.valid_rows, attended.reshape(-1, *output.shape[1:]).to(output.dtype))

@@ -27,7 +27,7 @@ import ctypes
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -74,11 +74,29 @@ def vec_layout(block_size: int, head_size: int) -> RegionLayout:
     return RegionLayout(keys, head_size * block_size + torch.arange(block_size * head_size).view(block_size, head_size))
 
 
+class LayerCache(NamedTuple):
+    """One layer's CPU_ATTN cache as the kernel reads it (`layer_cache`): regions [num_blocks,
+    num_kv_heads, 2 * block_size * head_size] (bfloat16 as its bits), where a region's keys and values
+    start, and the block size. Built once per layer: the cache and its layout never change."""
+
+    regions: np.ndarray
+    key_base: int
+    value_base: int
+    block_size: int
+
+
+def layer_cache(kv_cache: torch.Tensor, layout: RegionLayout) -> LayerCache:
+    """kv_cache: one layer's cache [num_blocks, num_kv_heads, block_size, 2 * head_size], contiguous, in a
+    `layout_supported` layout, float32 or bfloat16."""
+    num_blocks, num_kv_heads = kv_cache.shape[:2]
+    regions = _host(kv_cache.view(num_blocks, num_kv_heads, -1))
+    return LayerCache(regions, int(layout.key_strides[0]), int(layout.value_strides[0]), layout.block_size)
+
+
 def attend_tree_rows(
     output: torch.Tensor,
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layout: RegionLayout,
+    cache: LayerCache,
     block_table: np.ndarray,
     req_indices: np.ndarray,
     starts: np.ndarray,
@@ -89,16 +107,11 @@ def attend_tree_rows(
 ) -> None:
     """Overwrite output[node_rows[t, i]] ([rows, num_heads, head_size], contiguous) with the tree
     attention of node i < num_nodes[t] of every request t. query [rows, num_heads, head_size] (query head
-    h reads KV head h // (num_heads / num_kv_heads)); kv_cache one layer's CPU_ATTN cache [num_blocks,
-    num_kv_heads, block_size, 2 * head_size] in a `layout_supported` layout; all three float32 or
-    bfloat16 (`DTYPES`; computed in float32, bfloat16 outputs rounded to nearest even); block_table
-    [num_reqs, max blocks] int32; req_indices, starts, num_nodes [T] int64; ancestor_mask [T, N, N] bool;
-    node_rows [T, N] int64 (host arrays, shared by every layer of a step)."""
-    num_blocks, num_kv_heads = kv_cache.shape[:2]
-    _tree_attention(
-        _host(query), _host(kv_cache.view(num_blocks, num_kv_heads, -1)), int(layout.key_strides[0]), int(layout.value_strides[0]),
-        layout.block_size, block_table, req_indices, starts, num_nodes, ancestor_mask, node_rows, scale, _host(output),
-    )
+    h reads KV head h // (num_heads / num_kv_heads)); cache: one layer's (`layer_cache`); all three of one
+    dtype, float32 or bfloat16 (`DTYPES`; computed in float32, bfloat16 outputs rounded to nearest even);
+    block_table [num_reqs, max blocks] int32; req_indices, starts, num_nodes [T] int64; ancestor_mask
+    [T, N, N] bool; node_rows [T, N] int64 (host arrays, shared by every layer of a step)."""
+    _tree_attention(_host(query), *cache, block_table, req_indices, starts, num_nodes, ancestor_mask, node_rows, scale, _host(output))
 
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -285,7 +298,7 @@ def warm_up() -> None:
     try:
         for dtype in DTYPES:
             for query in (torch.zeros(2, 1, head_size), fused[:, :1]):
-                attend_tree_rows(torch.zeros(2, 1, head_size, dtype=dtype), query.to(dtype), cache.to(dtype), layout, *host, 1.0)
+                attend_tree_rows(torch.zeros(2, 1, head_size, dtype=dtype), query.to(dtype), layer_cache(cache.to(dtype), layout), *host, 1.0)
     except Exception as error:  # numba's typing and lowering errors have no common base besides Exception
         _compiled_ok = False
         logger.warning("method 'ddtree': the compiled CPU tree attention is unavailable (%s: %s); tree rows run "
