@@ -488,8 +488,14 @@ class AdaptiveBudget:
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         requests = max(1, num_requests)
         for shape, count in tokens.items():
-            self.tokens.setdefault(shape, DecayedMean()).add(count / requests, self.tokens_decay, self._observed_steps)
-            self.spread.setdefault(shape, SampleSpread()).add(count / requests, requests, self.samples_decay, self._observed_steps)
+            # (get, then create: a setdefault would build a new, discarded estimate per shape and step)
+            tokens_mean, spread = self.tokens.get(shape), self.spread.get(shape)
+            if tokens_mean is None:
+                tokens_mean = self.tokens[shape] = DecayedMean()
+            if spread is None:
+                spread = self.spread[shape] = SampleSpread()
+            tokens_mean.add(count / requests, self.tokens_decay, self._observed_steps)
+            spread.add(count / requests, requests, self.samples_decay, self._observed_steps)
 
     def _time(self, bucket: int, used: TreeShape, seconds: float) -> None:
         """Paired timing: seconds = the machine's speed now x the shape's cost. A step of the bucket's
@@ -505,8 +511,11 @@ class AdaptiveBudget:
         off held at batch 4, 4 ms steps with 10% noise: the speed wandered over 0.72-1.16 in 20000
         steps, and a tree of 4 timed once at 16 ms read 11.4-18.6 ms), and with it every rival's
         seconds; the held shape's cost is its first full window's, the speed its ratio to now."""
-        speed = self.speed.setdefault(bucket, RecentMedian(SPEED_WINDOW))
-        costs = self.costs.setdefault((bucket, used), RecentMedian(self.seconds_window))
+        speed, costs = self.speed.get(bucket), self.costs.get((bucket, used))
+        if speed is None:
+            speed = self.speed[bucket] = RecentMedian(SPEED_WINDOW)
+        if costs is None:
+            costs = self.costs[bucket, used] = RecentMedian(self.seconds_window)
         best = self._best.get(bucket)
         step = self._bucket_steps.get(bucket, 0)
         if len(costs.values) == costs.window and costs.mean > 0 and (best is None or self.shapes[best] == used):

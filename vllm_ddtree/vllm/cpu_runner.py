@@ -40,7 +40,8 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     def _attach_tree_attention(self, attn_metadata: dict[str, Any], rows: TreeRows) -> None:
         block_table = self.input_batch.block_table[self.attention_group]
         tree = TreeAttention.build(rows, block_table.get_cpu_tensor(), block_table.block_size)
-        for metadata in {id(metadata): metadata for metadata in attn_metadata.values()}.values():
+        layers = attn_metadata.values()
+        for metadata in dict(zip(map(id, layers), layers)).values():  # each group's metadata once
             if isinstance(metadata, GDNAttentionMetadata):
                 continue  # a hybrid target's GDN layers: their trees come from `gdn.attach_gdn_trees`
             assert isinstance(metadata, DDTreeCPUAttentionMetadata)

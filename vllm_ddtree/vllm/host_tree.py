@@ -17,6 +17,7 @@ that no step pays a compilation (the adaptive policy times steps).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -402,15 +403,23 @@ def accepted_by_shape_on_host(
     """`vllm_ddtree.core.accepted_by_shape` (its counts; verified [R] bool as a numpy array), compiled."""
     if not verified.any():
         return {used: 0}
-    nested, chain = read_off_shapes(shapes, used, int(tree.num_nodes.numpy()[verified].min()) - 1)
+    nested, chain, budgets = _read_off(tuple(shapes), used, int(tree.num_nodes.numpy()[verified].min()) - 1)
     read_ahead = chain is not None and tree.chain_token_ids is not None and target_token_ids is not None
     none = np.zeros((0, 0), dtype=np.int64)
     counts = _accepted_counts(
-        _int64(accepted_nodes), np.ascontiguousarray(verified, dtype=np.bool_), np.array([s.budget for s in nested], dtype=np.int64),
+        _int64(accepted_nodes), np.ascontiguousarray(verified, dtype=np.bool_), budgets,
         _int64(tree.ranks), _int64(tree.parents), np.ascontiguousarray(tree.valid.numpy()), 0 if chain is None else chain.budget,
         _int64(tree.chain_token_ids) if read_ahead else none, _int64(target_token_ids) if read_ahead else none,
     ).tolist()
     return dict(zip(nested if chain is None else [*nested, chain], counts))  # without the chain, its count is dropped
+
+
+@functools.lru_cache(maxsize=256)
+def _read_off(shapes: tuple[TreeShape, ...], used: TreeShape, smallest: int) -> tuple[list[TreeShape], TreeShape | None, np.ndarray]:
+    """`read_off_shapes` and the nested shapes' budgets, once per (shapes, used, smallest): a step's
+    read-off otherwise rebuilds the same lists. Shared: callers never modify them."""
+    nested, chain = read_off_shapes(list(shapes), used, smallest)
+    return nested, chain, np.array([shape.budget for shape in nested], dtype=np.int64)
 
 
 def _int64(tensor: torch.Tensor) -> np.ndarray:
