@@ -26,7 +26,7 @@ Runs: every probe alone (a fixed tree each step), all of them in one batch with 
 forced through off / tree / chain / small trees, refusals while requests are in flight (also method
 'ddtree''s own: seeds a torch generator cannot take, NaN biases), aborts mid-prefill and mid-decode,
 the adaptive policy with seeded random delays injected into every step (its choices vary, the
-outputs may not), and vLLM's beam search (per-step logprobs requests). After each run a plain greedy
+outputs may not), a one-token prompt joining a decoding batch (vLLM pads it with placeholder drafts), and vLLM's beam search (per-step logprobs requests). After each run a plain greedy
 batch still equals plain decoding.
 """
 
@@ -445,6 +445,41 @@ def test_aborts_mid_prefill_and_mid_decode(engine, plain, alone):
     scheduler = llm_engine.engine_core.engine_core.scheduler
     assert scheduler.get_num_unfinished_requests() == 0
     assert scheduler.kv_cache_manager.usage == 0
+    _assert_engine_serves_on(engine, plain)
+
+
+def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(engine, plain, alone, monkeypatch):
+    """vLLM pads a request that joins a decoding batch with one token left to compute (here a one-token
+    prompt) to 1 + num_speculative_tokens rows of placeholder drafts (-1), which no proposed tree holds
+    (found by a fuzz): they are verified as a chain and rejected. Both requests give what they give alone,
+    and no chain fallback is counted."""
+    from vllm_ddtree.vllm import tree_step
+
+    padded = []
+    placeholders = tree_step._placeholders
+
+    def recorded(*args):
+        found = placeholders(*args)
+        padded.append(bool(found.any()))
+        return found
+
+    monkeypatch.setattr(tree_step, "_placeholders", recorded)
+    _scripted(engine, [TreeShape(8)])  # room left in the token budget for the padded request beside the tree
+    one_token = {"prompt_token_ids": [plain["free"][0][0]]}
+    expected = list(engine.generate([one_token], _greedy_batch_params(), use_tqdm=False)[0].outputs[0].token_ids)
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    llm_engine.add_request("decoding", _texts()[0], _greedy_batch_params())
+    while not any(request.num_output_tokens for request in scheduler.requests.values()):  # prefilled, decoding
+        llm_engine.step()
+    llm_engine.add_request("one token", one_token, _greedy_batch_params())
+    finished = {}
+    while llm_engine.has_unfinished_requests():
+        for output in llm_engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+    assert any(padded), "vLLM did not pad the joining request: the test no longer covers its placeholders"
+    assert finished == {"decoding": plain["free"][0], "one token": expected}
     _assert_engine_serves_on(engine, plain)
 
 

@@ -60,6 +60,18 @@ def test_drafts_that_are_not_the_proposed_tree_are_verified_as_a_chain_and_count
     assert unknown.num_chain_fallbacks == 1
 
 
+def test_vllms_placeholder_drafts_are_verified_as_a_chain_and_not_counted():
+    """vLLM's scheduler pads a request joining a decoding batch with one token to compute to 1 + k rows of
+    placeholder drafts (-1): no proposal holds them; they are verified as a chain (rejected: no target token
+    is -1) and are no fallback. Real drafts without a proposal still are."""
+    tokens = np.full((2, 64), 5)
+    tokens[0, 4:7] = -1  # request "new": root at 3, three placeholders
+    tokens[1, 21:23] = 9  # request "lost": root at 20, two drafts nobody proposed
+    step = TreeStep.build(["new", "lost"], np.array([0, 4]), np.array([3, 20]), np.array([3, 2]), tokens, Proposals())
+    assert step.num_chain_fallbacks == 1
+    assert step.tree.parents[0].tolist() == [-1, 0, 1, 2] and step.tree.token_ids[0].tolist() == [5, -1, -1, -1]
+
+
 def test_rows_of_logits_and_draw_positions():
     store = Proposals()
     trees = proposed_trees([5, 5])

@@ -23,7 +23,8 @@ order (root excluded), so any prefix the scheduler keeps (token budget, max_mode
 prefix-closed tree (parents precede children). The trees themselves stay tensors (`Proposals`, each
 request's latest tree until it is next scheduled) and are gathered back by request; a request whose scheduled drafts are not a prefix of its proposed tree (never
 expected in synchronous scheduling) is verified as a chain, which is exact, and counted in
-`num_chain_fallbacks` (logged by the runner).
+`num_chain_fallbacks` (logged by the runner). vLLM's placeholder drafts (`PLACEHOLDER_DRAFT`) are verified
+as a chain too, and are no fallback.
 
 A request's verify window is 1 + n batch rows, row i holding node i (row 0 the root, the last committed
 token). Rows keep vLLM's linear KV slots (start + i); only their RoPE positions change to
@@ -120,6 +121,20 @@ class Proposals:
         return out
 
 
+PLACEHOLDER_DRAFT = -1
+"""vLLM's placeholder draft token: its scheduler pads a request that joins a decoding batch with one token
+to compute (a one-token prompt, a prompt the prefix cache holds but for its last token, a resumed
+request) to 1 + num_speculative_tokens rows of placeholder drafts (`Scheduler.schedule`, "pad new decode
+requests to uniform spec decoding size", for CUDA graphs), whose input ids its runner clamps to 0."""
+
+
+def _placeholders(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[R] the request's scheduled drafts are vLLM's placeholders (`PLACEHOLDER_DRAFT`), which no proposal
+    matches: verified as a chain, they are rejected (no target token is -1), wasted rows but no
+    fallback."""
+    return ((tokens == PLACEHOLDER_DRAFT) | ~valid)[:, 1:].all(1) & valid[:, 1:].any(1)
+
+
 @dataclass(frozen=True)
 class TreeRows:
     """The branching trees' rows, for the target's tree attention (chains need no mask: their tree mask
@@ -203,7 +218,7 @@ class TreeStep:
         proposed = proposals.take(req_ids, width)
         same_tokens = ((proposed.token_ids == tokens) | ~valid_t)[:, 1:].all(1)
         use = drafted & proposed.found & (proposed.num_nodes >= torch.from_numpy(num_nodes)) & same_tokens
-        fallbacks = int((drafted & ~use).sum())
+        fallbacks = int((drafted & ~use & ~_placeholders(tokens, valid_t)).sum())
         parents = torch.where(use.unsqueeze(1), proposed.parents, parents)
         depths = torch.where(use.unsqueeze(1), proposed.depths, depths)
         ranks = torch.where(use.unsqueeze(1), proposed.ranks, ranks)
