@@ -7,6 +7,7 @@ tree masks; K/V rows move through the ISA-specific layout of CPU_ATTN's paged ca
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,8 @@ from vllm_ddtree.vllm.paged_kv import RegionLayout, cache_bits, move_rows, probe
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 
+logger = logging.getLogger("vllm.ddtree")
+
 
 class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     @override
@@ -29,6 +32,12 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         cpu_tree_kernel.warm_up()  # compiled now, not in the first steps the budget policy times
         paged_kv.warm_up()
+        if self.model_config.dtype != torch.float32:
+            logger.warning(
+                "method 'ddtree' with a %s target on CPU: the tree rows' attention is computed in float32 and rounded "
+                "once, vLLM's kernel rounds plain rows its own way, so greedy tokens can differ from plain decoding "
+                "where two logits tie within %s rounding (chains and steps without speculation are vLLM's kernel); "
+                "use dtype float32 for token-identical greedy output", self.model_config.dtype, self.model_config.dtype)
 
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
