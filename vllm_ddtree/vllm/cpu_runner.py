@@ -59,8 +59,8 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
     _moves_kv_on_host = True
 
     @override
-    def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
-        super().initialize_kv_cache(*args, **kwargs)
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self._kv_row_caches = None
 
     _kv_row_caches: list[tuple[np.ndarray, RegionLayout, int]] | None = None

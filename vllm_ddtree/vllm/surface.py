@@ -97,7 +97,7 @@ def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init
 SURFACE: tuple[VLLMMember, ...] = (
     # ---- overrides: DDTreeRunnerMixin (runner.py) over vLLM's V1 runner ----------------------------------------------
     VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers and refuses M-RoPE after the load", params=("...",)),
-    VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "finds the attention group and a hybrid target's GDN state groups; refuses other layouts", params=("kv_cache_config", "...")),
+    VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "finds the attention group and a hybrid target's GDN state groups; refuses other layouts; drops the CPU runner's views of the old caches (`_kv_row_caches`)", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "load_model", "override", "the same check on CUDA (DDTreeGPUModelRunner)", params=("...",)),
     VLLMMember(_GPU_RUNNER, "initialize_kv_cache", "override", "the same refusal on CUDA (DDTreeGPUModelRunner)", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "execute_model", "override", "starts the budget policy's step clock and the step timer", params=("scheduler_output", "...")),
