@@ -23,7 +23,6 @@ from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
 from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tokens
-from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm.node_logits import needs_node_processing
 
 
@@ -111,12 +110,11 @@ def sample_nodes(
     each node's logits node_logit_rows [T, N]; draw_positions [T, N]: the sequence position each node's
     token is drawn for (root position + depth + 1; None when no request is seeded). processed
     [T, N, V]: the nodes' logits after their history-dependent options
-    (`node_logits.process_node_logits`; left unchanged), None when the batch uses none. Greedy batches
-    without them take row argmaxes before selecting nodes (no copy)."""
+    (`node_logits.process_node_logits`; left unchanged), None when the batch uses none. (A greedy batch
+    without them never comes here: the runner reads its nodes' tokens off the rows' argmaxes,
+    `host_tree.accept_greedy_rows_on_host`.)"""
     if processed is not None:
         return sample_tree_tokens(processed, params, draw_positions)
-    if params.all_greedy:
-        return argmax_first(logits)[node_logit_rows]
     return sample_tree_tokens(gather_node_logits(logits, node_logit_rows), params, draw_positions, inplace=True)
 
 
