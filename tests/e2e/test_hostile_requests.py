@@ -448,11 +448,13 @@ def test_aborts_mid_prefill_and_mid_decode(engine, plain, alone):
     _assert_engine_serves_on(engine, plain)
 
 
-def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(engine, plain, alone, monkeypatch):
-    """vLLM pads a request that joins a decoding batch with one token left to compute (here a one-token
-    prompt) to 1 + num_speculative_tokens rows of placeholder drafts (-1), which no proposed tree holds
-    (found by a fuzz): they are verified as a chain and rejected. Both requests give what they give alone,
-    and no chain fallback is counted."""
+@pytest.mark.parametrize("vllm_pads", [False, True], ids=["our-scheduler", "vllm-padding"])
+def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(engine, plain, alone, monkeypatch, vllm_pads):
+    """vLLM's scheduler pads a request that joins a decoding batch with one token left to compute (here a
+    one-token prompt) to 1 + num_speculative_tokens rows of placeholder drafts (-1), which no proposed
+    tree holds (found by a fuzz). Our CPU scheduler schedules it as its one token (`UnpaddedScheduler`);
+    with vLLM's padding forced back on (as on a GPU), the placeholders are verified as a chain and
+    rejected. Either way both requests give what they give alone, and no chain fallback is counted."""
     from vllm_ddtree.vllm import tree_step
 
     padded = []
@@ -464,11 +466,26 @@ def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(
         return found
 
     monkeypatch.setattr(tree_step, "_placeholders", recorded)
+    llm_engine = engine.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    assert scheduler.dynamic_sd_lookup is not None, "the CPU engine does not run UnpaddedScheduler"
+    if vllm_pads:
+        monkeypatch.setattr(scheduler, "dynamic_sd_lookup", None)  # vLLM's padding condition holds again
+    first_rows = []
+    schedule = scheduler.schedule
+
+    def scheduled(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        rows = [count for req_id, count in output.num_scheduled_tokens.items() if req_id.startswith("one token")]
+        if rows and not first_rows:  # (vLLM suffixes request ids)
+            first_rows.append(rows[0])
+        return output
+
+    monkeypatch.setattr(scheduler, "schedule", scheduled)
     _scripted(engine, [TreeShape(8)])  # room left in the token budget for the padded request beside the tree
     one_token = {"prompt_token_ids": [plain["free"][0][0]]}
     expected = list(engine.generate([one_token], _greedy_batch_params(), use_tqdm=False)[0].outputs[0].token_ids)
-    llm_engine = engine.llm_engine
-    scheduler = llm_engine.engine_core.engine_core.scheduler
+    fallbacks = model_runner(engine).num_chain_fallbacks
     llm_engine.add_request("decoding", _texts()[0], _greedy_batch_params())
     while not any(request.num_output_tokens for request in scheduler.requests.values()):  # prefilled, decoding
         llm_engine.step()
@@ -478,8 +495,11 @@ def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(
         for output in llm_engine.step():
             if output.finished:
                 finished[output.request_id] = list(output.outputs[0].token_ids)
-    assert any(padded), "vLLM did not pad the joining request: the test no longer covers its placeholders"
+    speculative_tokens = engine.llm_engine.vllm_config.speculative_config.num_speculative_tokens
+    assert first_rows == [1 + speculative_tokens if vllm_pads else 1]
+    assert any(padded) == vllm_pads
     assert finished == {"decoding": plain["free"][0], "one token": expected}
+    assert model_runner(engine).num_chain_fallbacks == fallbacks
     _assert_engine_serves_on(engine, plain)
 
 

@@ -58,6 +58,7 @@ logger = logging.getLogger("vllm.ddtree")
 METHOD = "ddtree"
 WORKER_CLS = "vllm_ddtree.vllm.worker.DDTreeCPUWorker"
 GPU_WORKER_CLS = "vllm_ddtree.vllm.gpu_worker.DDTreeGPUWorker"
+CPU_SCHEDULER_CLS = "vllm_ddtree.vllm.scheduler.UnpaddedScheduler"
 GPU_ATTENTION_BACKEND = "TRITON_ATTN"
 """The one GPU attention backend method 'ddtree' runs (target and draft): vLLM's Triton attention, whose
 tree-verify rows our subclass recomputes with the Triton tree kernel (`vllm/triton_attention.py`)."""
@@ -185,6 +186,8 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         raise ValueError(f"method 'ddtree' installs its own worker ({worker_cls}); drop worker_cls={args.worker_cls!r}")
     if on_gpu:
         _check_gpu_attention_backend(args)
+    elif args.scheduler_cls is None:  # no CUDA graphs on the CPU: no placeholder drafts (`scheduler`)
+        args.scheduler_cls = CPU_SCHEDULER_CLS
     if args.kv_cache_dtype not in ("auto", None):
         raise ValueError(f"method 'ddtree' needs an unquantized KV cache; drop kv_cache_dtype={args.kv_cache_dtype!r}")
     if (args.pipeline_parallel_size or 1) > 1:
