@@ -125,7 +125,8 @@ PLACEHOLDER_DRAFT = -1
 """vLLM's placeholder draft token: its scheduler pads a request that joins a decoding batch with one token
 to compute (a one-token prompt, a prompt the prefix cache holds but for its last token, a resumed
 request) to 1 + num_speculative_tokens rows of placeholder drafts (`Scheduler.schedule`, "pad new decode
-requests to uniform spec decoding size", for CUDA graphs), whose input ids its runner clamps to 0."""
+requests to uniform spec decoding size", for CUDA graphs), whose input ids its runner clamps to 0. CPU
+engines run `scheduler.UnpaddedScheduler`, which does not pad; CUDA engines run vLLM's scheduler."""
 
 
 def _placeholders(tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
