@@ -224,9 +224,6 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.structured_output.StructuredOutputManager", "vllm_config", "the structured-output patches act on 'ddtree' engines only"),
     # ---- structured outputs under a reasoning parser (node_reasoning.py, the `schedule` patch) --------------------------
     *_reads("vllm.v1.core.sched.scheduler.Scheduler", "requests", "a new request's reasoning inputs, handed to the runner"),
-    # ---- the CPU scheduler (scheduler.py) ---------------------------------------------------------------------------
-    *_reads("vllm.v1.core.sched.scheduler.Scheduler", "num_spec_tokens scheduler_config", "UnpaddedScheduler's table of drafts per batch size: the configured count for every size"),
-    *_reads("vllm.v1.core.sched.scheduler.Scheduler", "dynamic_sd_lookup", "UnpaddedScheduler sets it (vLLM pads one-token requests with placeholder drafts only without it)"),
     *_reads("vllm.v1.request.Request", "structured_output_request", "a new request's reasoning inputs, handed to the runner"),
     *_reads("vllm.v1.core.sched.output.NewRequestData", "req_id", "which request the reasoning inputs belong to", created_in=None),
     *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "reasoning_ended reasoning_parser_kwargs", "where vLLM starts a request's grammar (and the gate's copy of them)", created_in=None),
@@ -247,6 +244,9 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "fill_bitmask", "read-method", "a tree node's bitmask", params=("bitmask", "batch_index")),
     VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "is_terminated", "read-method", "no masks below a node that ended the grammar", params=()),
     VLLMMember("vllm.v1.structured_output.backend_types.StructuredOutputGrammar", "reset", "read-method", "start over if a request's committed output ever shrinks", params=()),
+    # ---- the CPU scheduler (scheduler.py) ---------------------------------------------------------------------------
+    *_reads("vllm.v1.core.sched.scheduler.Scheduler", "num_spec_tokens scheduler_config", "UnpaddedScheduler's table of drafts per batch size: the configured count for every size"),
+    *_reads("vllm.v1.core.sched.scheduler.Scheduler", "dynamic_sd_lookup", "UnpaddedScheduler sets it (vLLM pads one-token requests with placeholder drafts only without it)"),
 )
 
 
