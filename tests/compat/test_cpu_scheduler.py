@@ -1,6 +1,6 @@
 """On the CPU platform, method 'ddtree' engines run `UnpaddedScheduler` (vLLM's scheduler without
-placeholder drafts) unless the user names a scheduler class; CUDA engines keep vLLM's scheduler (its
-padding keeps batches uniform for CUDA graphs). The rewrite runs on an EngineArgs (no engine); the
+placeholder drafts) unless the user names a scheduler class (CUDA engines keep vLLM's scheduler, whose
+padding keeps batches uniform for CUDA graphs: `test_gpu_platform.py`). The rewrite runs on an EngineArgs (no engine); the
 engine-level behaviour is `tests/e2e/test_hostile_requests.py`'s one-token-prompt test."""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from vllm_ddtree.demo import demo_pair_paths  # noqa: E402
 from vllm_ddtree.vllm.config import CPU_SCHEDULER_CLS, rewrite_engine_args  # noqa: E402
 
 CPU = SimpleNamespace(is_cpu=lambda: True, is_cuda=lambda: False, device_name="cpu")
-CUDA = SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True, device_name="cuda")
 
 
 def _rewritten(platform: SimpleNamespace, **kwargs) -> EngineArgs:
@@ -45,7 +44,3 @@ def test_cpu_engines_run_the_unpadded_scheduler() -> None:
 def test_a_scheduler_class_the_user_names_is_kept() -> None:
     assert _rewritten(CPU, scheduler_cls="my.Scheduler").scheduler_cls == "my.Scheduler"
 
-
-def test_cuda_engines_keep_vllms_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    assert _rewritten(CUDA).scheduler_cls is None

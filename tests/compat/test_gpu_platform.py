@@ -44,6 +44,7 @@ def test_cuda_engine_runs_our_gpu_worker_on_v1_with_triton_attention(clean_runne
     _rewrite_on(CUDA, args)
     assert args.worker_cls == GPU_WORKER_CLS
     assert args.async_scheduling is False
+    assert args.scheduler_cls is None  # vLLM's scheduler: its padding keeps batches uniform for CUDA graphs
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     assert args.attention_backend == "TRITON_ATTN"
     assert args.speculative_config["attention_backend"] == "TRITON_ATTN"

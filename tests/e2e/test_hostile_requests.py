@@ -495,8 +495,7 @@ def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(
         for output in llm_engine.step():
             if output.finished:
                 finished[output.request_id] = list(output.outputs[0].token_ids)
-    speculative_tokens = engine.llm_engine.vllm_config.speculative_config.num_speculative_tokens
-    assert first_rows == [1 + speculative_tokens if vllm_pads else 1]
+    assert first_rows == [1 + scheduler.num_spec_tokens if vllm_pads else 1]
     assert any(padded) == vllm_pads
     assert finished == {"decoding": plain["free"][0], "one token": expected}
     assert model_runner(engine).num_chain_fallbacks == fallbacks
