@@ -625,6 +625,34 @@ def test_at_batch_1_the_credit_charges_a_probe_what_its_tokens_lose():
         assert policy._probe_cost(bucket, rates, off, chain) == pytest.approx(expected, rel=1e-6)
 
 
+def test_probes_the_credit_cannot_refuse_are_charged_to_it():
+    """A new request's re-measurement at batch 1 and a random exploration run whatever the re-probe
+    credit holds, and are charged to it all the same (it may go negative): they replace the re-probes
+    the credit pays instead of adding to them. Off held (3 ms steps), the chain timed at 7.4 ms and 2.2
+    tokens over 12 steps (doubted: fewer than FEW_SAMPLES steps), no credit earned (reprobe 0)."""
+    chain = TreeShape(7, 1)
+
+    def timed_policy(explore: float) -> AdaptiveBudget:
+        policy = AdaptiveBudget([OFF, chain], explore=explore, reprobe=0.0)
+        for shape in (OFF, chain):
+            for _ in range(12):
+                policy.observe(1, shape, 0.003 if shape.is_off else 0.0074, {OFF: 1, shape: 2.2 if shape == chain else 1})
+        return policy
+
+    policy = timed_policy(explore=0.0)
+    assert policy._pick(0) == (OFF, policy.hold)  # nothing to pay a re-probe with
+    cost = policy._probe_cost(0, policy._rates(0), 0, 1)
+    policy.requests_arrived(1)
+    assert policy._pick(0) == (chain, policy.probe_hold)
+    assert policy.credit[0] == pytest.approx(-cost)
+    assert policy._pick(0) == (OFF, policy.hold)  # once per request
+
+    policy = timed_policy(explore=1.0)
+    picks = [policy._pick(0)[0] for _ in range(20)]
+    assert chain in picks
+    assert policy.credit[0] == pytest.approx(-cost * picks.count(chain))
+
+
 def test_a_timing_taken_while_the_machine_was_slow_is_taken_again():
     """Without random exploration, off (whose tokens are exact, so no confidence bound ever doubts it)
     is re-timed once its timing is older than RETIME_AFTER_STEPS steps, paid from the re-probe credit:
