@@ -33,8 +33,10 @@ Reported per cell and variant (`vllm_ddtree.demo.stats`, `vllm_ddtree.demo.summa
   spec-decode stats (tokens: 1 + accepted / decode steps);
 * tokens/s over no speculation's and over the chain baseline's (vLLM's chain at T = 0, width 1 at
   T > 0), each ratio taken inside a round, never as a ratio of medians;
-* for DDTree engines, milliseconds per decode step by runner stage (VLLM_DDTREE_STAGE_TIMES=1) and
-  outside the runner, target-forward rows per step and milliseconds per row;
+* for DDTree engines of a fixed shape, milliseconds per decode step by runner stage
+  (VLLM_DDTREE_STAGE_TIMES=1) and outside the runner, target-forward rows per step and milliseconds per
+  row (the default config's engine runs without the stage timer, as users run it: the timer costs about
+  1% of a batch-1 step, `demo.engines.stage_timed`);
 * for fixed budgets, the zero-overhead bound (`stats.zero_overhead_bound`): tokens/s with DDTree's own
   stages free and the target forward at the width-1 chain's cost per row of the same round, over the
   chain baseline's tokens/s; printed with its parts for the best budget;

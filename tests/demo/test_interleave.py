@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_ddtree.demo import heldout_prompts
-from vllm_ddtree.demo.engines import Engine, Pass, SpecRecorder, TimedRun, Work, context_prompts, rotated, serve_interleaved
+from vllm_ddtree.demo.engines import Engine, Pass, SpecRecorder, TimedRun, Work, context_prompts, rotated, serve_interleaved, stage_timed
 from vllm_ddtree.demo.side_by_side import SpecCounters
 from vllm_ddtree.demo.summary import NO_SPECULATION, VariantSpec, greedy_mismatches, summarize
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, STAGES
@@ -42,6 +42,15 @@ def test_every_call_of_a_pass_is_served_by_every_engine_in_a_rotating_order():
         timed, token_ids, counters, shapes = served[name]
         assert token_ids == [[1, 0], [2, 0], [3, 0]] and counters == SpecCounters(0, 0, 0, ()) and shapes is None
         assert timed.seconds > 0 and timed.stages is None
+
+
+def test_only_fixed_shape_ddtree_engines_time_their_stages():
+    """The default config runs as users run it (no stage timer); the fixed shapes feed the breakdown."""
+    ddtree = {"method": "ddtree", "model": "d", "num_speculative_tokens": 8}
+    assert stage_timed({**ddtree, "ddtree_adaptive": False})
+    assert stage_timed({**ddtree, "ddtree_topk": 1, "ddtree_adaptive": False})
+    assert not stage_timed(ddtree) and not stage_timed({**ddtree, "ddtree_adaptive": True})
+    assert not stage_timed(None) and not stage_timed({"method": "dflash", "model": "d", "num_speculative_tokens": 7, "ddtree_adaptive": False})
 
 
 def test_short_prompts_are_the_heldout_snippets():

@@ -15,8 +15,9 @@ from starting, as it did in-process.)
 How (`vllm_ddtree.demo.engines`): every variant's engine runs in its own process, all alive at once; a
 warm-up round, then `--rounds` timed rounds, each serving both scenarios with every variant in an order
 rotated by one place per round; speedups are taken inside each round and shown as median [min-max].
-Tokens per step come from the engines' spec-decode stats, stage times from the DDTree runners
-(VLLM_DDTREE_STAGE_TIMES=1). vLLM's output goes to a log file next to the results.
+Tokens per step come from the engines' spec-decode stats, stage times from the fixed-shape DDTree
+runners (VLLM_DDTREE_STAGE_TIMES=1; the default config runs untimed, as users run it). vLLM's output goes
+to a log file next to the results.
 
 Prints one table per scenario and a paragraph computed from this run's stage times; writes a PNG and a
 JSON. Exits 1 if any variant's output differs from plain decoding in any round (DDTree is lossless).
