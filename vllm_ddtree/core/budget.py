@@ -467,8 +467,8 @@ class AdaptiveBudget:
 
     def requests_arrived(self, num_requests: int) -> None:
         """At batch 1 a new request is new text: its first doubted rival is re-measured even when the
-        re-probe credit cannot pay for it (once per request; borrowed from the credit, `_reprobed`), while the rival's estimate rests on fewer
-        than FEW_SAMPLES steps. Estimates taken on one request's text say little about the next one's
+        re-probe credit cannot pay for it (once per request; borrowed from the credit, `_reprobed`), while
+        the rival's estimate rests on fewer than FEW_SAMPLES steps. Estimates taken on one request's text say little about the next one's
         (traced at batch 1, T=0: the first request's chain accepted 1.5 tokens per step, the later ones
         2.6-3.5; off held for ~200 steps, the credit paying one chain probe per that many). Once a rival
         has been measured on more text, the credit alone pays its re-probes: with every new request
