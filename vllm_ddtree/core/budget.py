@@ -468,8 +468,8 @@ class AdaptiveBudget:
     def requests_arrived(self, num_requests: int) -> None:
         """At batch 1 a new request is new text: its first doubted rival is re-measured even when the
         re-probe credit cannot pay for it (once per request; borrowed from the credit, `_reprobed`), while
-        the rival's estimate rests on fewer than FEW_SAMPLES steps. Estimates taken on one request's text say little about the next one's
-        (traced at batch 1, T=0: the first request's chain accepted 1.5 tokens per step, the later ones
+        the rival's estimate rests on fewer than FEW_SAMPLES steps. Estimates taken on one request's text
+        say little about the next one's (traced at batch 1, T=0: the first request's chain accepted 1.5 tokens per step, the later ones
         2.6-3.5; off held for ~200 steps, the credit paying one chain probe per that many). Once a rival
         has been measured on more text, the credit alone pays its re-probes: with every new request
         granting one, batch 1 at T=1 (off is right) probed 14-31 steps per 8 requests instead of 4-12 and
@@ -597,8 +597,8 @@ class AdaptiveBudget:
         if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
             probe = retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]
             if float(torch.rand(1, generator=self._rng)) * self._cost(bucket, probe, best) < 1:
-                if probe in rates:  # charged to the re-probe credit, which it may overdraw
-                    self.credit[bucket] = self.credit.get(bucket, 0.0) - self._probe_cost(bucket, rates, best, probe)
+                if probe in rates:  # an untimed probe has no cost to charge (`_probe_cost`)
+                    self._borrow(bucket, rates, best, probe)
                 return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
 
@@ -632,7 +632,7 @@ class AdaptiveBudget:
         rival = self._doubted(bucket, rates, best, timed)
         if rival is not None and bucket == 0 and self._new_text and self.spread[self.shapes[rival]].steps < FEW_SAMPLES:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
-            self.credit[bucket] = self.credit.get(bucket, 0.0) - self._probe_cost(bucket, rates, best, rival)  # borrowed
+            self._borrow(bucket, rates, best, rival)
             return rival
         if rival is None:
             now = self._bucket_steps.get(bucket, 0)
@@ -645,6 +645,11 @@ class AdaptiveBudget:
             return None
         self.credit[bucket] -= extra
         return rival
+
+    def _borrow(self, bucket: int, rates: dict[int, float], best: int, rival: int) -> None:
+        """Charge a probe of `rival` that runs whatever the credit holds (a new request's re-measurement,
+        exploration) to the bucket's re-probe credit, which may go negative."""
+        self.credit[bucket] = self.credit.get(bucket, 0.0) - self._probe_cost(bucket, rates, best, rival)
 
     def _retime_after(self, rates: dict[int, float], best: int, rival: int) -> float:
         """Bucket steps after which `rival`'s timing is re-taken: RETIME_AFTER_STEPS, times the square of
