@@ -84,6 +84,7 @@ their acceptance differs most, and each regime resumes with its own best shape w
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -451,7 +452,7 @@ class AdaptiveBudget:
     _bucket: int = -1
     _held: int = 0
     _hold_now: int = 0
-    _rng: torch.Generator | None = None
+    _rng: random.Random | None = None
     _best: dict[int, int] = field(default_factory=dict)
     _observed_steps: int = 0
     _bucket_steps: dict[int, int] = field(default_factory=dict)
@@ -571,7 +572,7 @@ class AdaptiveBudget:
     def _pick(self, bucket: int) -> tuple[TreeShape, int]:
         """(shape, steps to hold it)."""
         if self._rng is None:
-            self._rng = torch.Generator().manual_seed(self.seed)
+            self._rng = random.Random(self.seed)
         if (followed := self._followed(bucket)) is not None:
             return self.shapes[followed], self.hold
         rates = self._rates(bucket)
@@ -594,9 +595,10 @@ class AdaptiveBudget:
         retimed = [i for i in dict.fromkeys((*self._beside(best), *references)) if i != best]
         if (doubt := self._reprobed(bucket, rates, best, retimed)) is not None:
             return self.shapes[doubt], self.probe_hold
-        if float(torch.rand(1, generator=self._rng)) < self.explore:  # a neighbour or a reference: never stuck
-            probe = retimed[int(torch.randint(len(retimed), (1,), generator=self._rng))]
-            if float(torch.rand(1, generator=self._rng)) * self._cost(bucket, probe, best) < 1:
+        # (Python's generator: a torch draw costs ~100x more, and this runs every few steps)
+        if self._rng.random() < self.explore:  # a neighbour or a reference: never stuck
+            probe = self._rng.choice(retimed)
+            if self._rng.random() * self._cost(bucket, probe, best) < 1:
                 if probe in rates:  # an untimed probe has no cost to charge (`_probe_cost`)
                     self._borrow(bucket, rates, best, probe)
                 return self.shapes[probe], self.probe_hold
