@@ -595,7 +595,7 @@ class AdaptiveBudget:
         retimed = [i for i in dict.fromkeys((*self._beside(best), *references)) if i != best]
         if (doubt := self._reprobed(bucket, rates, best, retimed)) is not None:
             return self.shapes[doubt], self.probe_hold
-        # (Python's generator: a torch draw costs ~100x more, and this runs every few steps)
+        # Python's generator: with torch's, a pick took 365 us in the engine (batch 16, off held), 70 with this
         if self._rng.random() < self.explore:  # a neighbour or a reference: never stuck
             probe = self._rng.choice(retimed)
             if self._rng.random() * self._cost(bucket, probe, best) < 1:
