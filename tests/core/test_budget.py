@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.core.strategies import draft_tables
@@ -869,3 +869,31 @@ def test_a_rival_far_behind_the_best_is_re_timed_rarely_but_still_re_timed():
     for steps in probes.values():
         episodes = [s for i, s in enumerate(steps) if i == 0 or s - steps[i - 1] > 10]
         assert len(episodes) >= 2 and all(b - a > 1500 for a, b in zip(episodes, episodes[1:])), steps
+
+
+ODD_NUMBERS = st.sampled_from([0.0, -0.01, 5e-324, 1e-300, 1e-7, 1e300, float("inf"), float("nan")])
+STEP_TIMES = st.one_of(*[st.floats(1e-3, 2e-2)] * 3, st.none(), ODD_NUMBERS)  # a stopped, stepped or jumping clock too
+TOKENS = st.one_of(*[st.floats(1.0, 9.0)] * 3, ODD_NUMBERS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(st.sampled_from([1, 2, 4, 16]), min_size=1, max_size=3),
+    steps=st.lists(st.tuples(STEP_TIMES, TOKENS, st.integers(0, 30)), min_size=50, max_size=400),
+    seed=st.integers(0, 2**16),
+)
+def test_odd_timings_and_counts_never_raise(batches, steps, seed):
+    """Whatever the clock reports (zero, negative, NaN, infinite, tiny or huge step times) and whatever
+    counts it is fed, the policy keeps choosing candidate shapes: a time outside `STEP_SECONDS` is no
+    timing, a count that is negative, infinite or NaN is dropped, and no rate divides by zero or
+    overflows into an exception. (Before, a stopped clock after real timings made the machine's speed
+    0 and the next rival's timing divided by it.)"""
+    shapes = candidate_shapes(32, 7)
+    policy = AdaptiveBudget(shapes, explore=0.2, seed=seed)
+    for index, (seconds, tokens, event) in enumerate(steps):
+        num_requests = batches[index * len(batches) // len(steps)]  # a few stretches of one batch size
+        if event == 0:
+            policy.requests_arrived(num_requests)
+        shape = policy.choose(num_requests)
+        assert shape in shapes
+        policy.observe(num_requests, shape, seconds, {shape: tokens * num_requests, OFF: float(num_requests)})

@@ -554,6 +554,45 @@ def test_timing_perturbed_adaptive_policy_changes_no_output(engine, plain, alone
     _assert_engine_serves_on(engine, plain)
 
 
+class _OddClock:
+    """The `time` module, its perf_counter stopped (the same reading every call), then running backwards,
+    then jumping between odd readings: what a frozen or mocked clock gives the step clock."""
+
+    def __init__(self) -> None:
+        self.calls, self.rng = 0, random.Random(1)
+
+    def perf_counter(self) -> float:
+        self.calls += 1
+        if self.calls < 300:
+            return 1000.0
+        if self.calls < 500:
+            return 1000.0 - 0.01 * self.calls
+        return self.rng.choice([0.0, -5.0, 1e12, time.perf_counter()])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_a_stopped_or_jumping_clock_changes_no_output(engine, plain, alone, monkeypatch):
+    """The adaptive policy, first timing the steps with the real clock, then with a stopped, backwards
+    and jumping one (zero, negative and huge step times), takes no engine down (a stopped clock once
+    divided by zero: its held shape's steps made the machine's speed 0) and changes no output."""
+    from vllm_ddtree.vllm import runner as runner_module
+
+    model_runner(engine).use_budget_policy(AdaptiveBudget(candidate_shapes(BUDGET, DEPTH), explore=0.2))
+    _assert_engine_serves_on(engine, plain)  # the real clock: the policy times its shapes
+    monkeypatch.setattr(runner_module, "time", _OddClock())
+    for _ in range(3):
+        _assert_engine_serves_on(engine, plain)
+    probes = _served(plain)
+    ours = _batch(engine, probes)
+    monkeypatch.undo()
+    reference = {name: alone[name] if probe.seeded else plain["batch"][name] for name, probe in probes.items()}
+    differences = {name: _differs(ours[name], reference[name]) for name in probes}
+    assert not {name: d for name, d in differences.items() if d}, differences
+    _assert_engine_serves_on(engine, plain)
+
+
 def test_no_probe_left_a_non_finite_or_out_of_vocabulary_token(alone):
     for name, result in alone.items():
         if isinstance(result, dict):

@@ -108,6 +108,11 @@ FOLLOW_STEPS = 32
 """Timed steps before a bucket chooses for itself, while an adjacent bucket has run this many
 (`AdaptiveBudget._followed`)."""
 
+STEP_SECONDS = (1e-6, 3600.0)
+"""A step timed outside this range counts as untimed (`AdaptiveBudget.observe`): no engine step takes
+under a microsecond or over an hour, so such a time is a stopped, stepped or jumping clock, and rates
+from it would divide by zero or overflow."""
+
 RETIME_AFTER_STEPS = 512
 """Timings older than this many steps of their batch-size bucket are re-taken (the machine's speed
 drifts). Counted in the bucket's own steps, not the engine's: the speed its held shape measures when
@@ -380,6 +385,11 @@ class TimedStep:
     accepted: dict[TreeShape, int] = field(default_factory=dict)
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, +inf where b is 0 (a rate or count of 0 comes only from odd inputs: no exception for them)."""
+    return a / b if b else math.inf
+
+
 @dataclass
 class StepClock:
     """Feeds a `BudgetPolicy` with the engine's own steps.
@@ -483,6 +493,8 @@ class AdaptiveBudget:
         tokens[s] = tokens it committed (s = used) or would have committed (s nested in used, see
         `nested_shapes`), all requests together."""
         bucket = batch_bucket(num_requests)
+        if seconds is not None and not STEP_SECONDS[0] <= seconds <= STEP_SECONDS[1]:  # NaN too
+            seconds = None
         if seconds is not None and (bucket, used) in self._untimed_first_steps:
             self._time(bucket, used, seconds)
             # a bucket starts with the credit of RETIME_AFTER_STEPS steps: its first estimates, from a
@@ -494,6 +506,8 @@ class AdaptiveBudget:
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         requests = max(1, num_requests)
         for shape, count in tokens.items():
+            if not 0 <= count < math.inf:  # no step commits a negative, infinite or NaN count
+                continue
             # (get, then create: a setdefault would build a new, discarded estimate per shape and step)
             tokens_mean, spread = self.tokens.get(shape), self.spread.get(shape)
             if tokens_mean is None:
@@ -665,7 +679,8 @@ class AdaptiveBudget:
         timing can make it look behind."""
         if self.shapes[rival].is_off:
             return RETIME_AFTER_STEPS
-        return RETIME_AFTER_STEPS * max(1.0, rates[best] / rates[rival]) ** 2
+        behind = max(1.0, _ratio(rates[best], rates[rival]))
+        return RETIME_AFTER_STEPS * behind * behind  # (a product: inf where a power would raise on overflow)
 
     def _doubted(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival whose upper confidence rate beats the held best by the margin a switch needs, by the
@@ -688,7 +703,7 @@ class AdaptiveBudget:
                 error = spread.standard_error(prior_variance, prior_steps, self.samples_decay, self._observed_steps)
                 error = min(error, math.sqrt(prior_variance))
                 upper = max(tokens, spread.recent_mean) + confidence * error
-                doubts[i] = rates[i] * upper / max(tokens, 1e-9) / (rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
+                doubts[i] = _ratio(rates[i] * upper / max(tokens, 1e-9), rates[best] * (1 + self.margin * self._cost(bucket, i, best)))
         rival = max(doubts, key=doubts.get, default=None)
         return rival if rival is not None and doubts[rival] > 1 else None
 
@@ -704,7 +719,7 @@ class AdaptiveBudget:
         which the chain, at 2.8 tokens per step, was 15% faster)."""
         seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
         assert seconds is not None and best_seconds is not None  # both have rates
-        unproductive = seconds - self.expected_tokens(bucket, self.shapes[rival]) / rates[best]
+        unproductive = seconds - _ratio(self.expected_tokens(bucket, self.shapes[rival]), rates[best])
         extra = seconds - best_seconds if bucket != 0 else 0.0
         switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
         return self.probe_hold * max(0.0, extra, unproductive) + switches
