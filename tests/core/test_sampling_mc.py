@@ -192,12 +192,12 @@ def test_seeds_above_int64_range_are_taken_mod_two_to_the_64():
     st.integers(1, 5),
     st.sampled_from([1, 2, 63, 64, 65, 128, 130, 300]),
     st.integers(0, 2**31 - 1),
-    st.sampled_from(["normal", "few values", "with -inf", "with nan", "all -inf"]),
-    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.sampled_from(["normal", "few values", "with -inf", "with +inf", "with nan", "all -inf", "all nan", "signed zeros"]),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
 )
 def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
-    """Ties (many equal values), -inf, NaN, vocab below / at / around multiples of the block: the
-    two-level argmax (large host logits) and the dispatch alike."""
+    """Ties (many equal values, +0 and -0), +-inf, NaN, vocab below / at / around multiples of the block:
+    the two-level argmax (large bfloat16 host logits), numpy's (other dtypes) and the dispatch alike."""
     from vllm_ddtree.core.sampling import _argmax_two_level, argmax_first
 
     gen = torch.Generator().manual_seed(seed)
@@ -208,8 +208,14 @@ def test_argmax_first_equals_torch_argmax(rows, vocab, seed, kind, dtype):
         logits[torch.rand(rows, vocab, generator=gen) < 0.5] = float("-inf")
     elif kind == "with nan":
         logits[torch.rand(rows, vocab, generator=gen) < 0.01] = float("nan")
+    elif kind == "with +inf":
+        logits[torch.rand(rows, vocab, generator=gen) < 0.05] = float("inf")
     elif kind == "all -inf":
         logits.fill_(float("-inf"))
+    elif kind == "all nan":
+        logits.fill_(float("nan"))
+    elif kind == "signed zeros":
+        logits = torch.where(torch.rand(rows, vocab, generator=gen) < 0.5, 0.0, -0.0)
     logits = logits.to(dtype)
     assert torch.equal(_argmax_two_level(logits), logits.argmax(dim=-1))
     assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
@@ -310,8 +316,10 @@ def test_argmax_first_of_large_host_logits_is_torch_argmax():
 
     logits = torch.randint(0, 4, (3, 50_000), generator=torch.Generator().manual_seed(5)).float()
     logits[1, 49_999] = 9.0
+    logits[2, 7] = float("nan")
     assert logits.numel() > _TWO_LEVEL_ARGMAX_MIN_ENTRIES
-    assert torch.equal(argmax_first(logits), logits.argmax(dim=-1))
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(argmax_first(logits.to(dtype)), logits.to(dtype).argmax(dim=-1))
 
 
 def test_a_block_mass_rounded_up_never_yields_a_token_without_mass():

@@ -2,7 +2,8 @@
 process through `LLM.collective_rpc` (`benchmarks/step_functions.py`).
 
 A target is "owner.attribute": owner one of runner, model (the target), drafter, draft_model, clock
-(the budget policy's step clock), vllm_runner (vLLM's GPUModelRunner class: vLLM's own part of a method
+(the budget policy's step clock), runner_module (functions as the runner module imported them),
+vllm_runner (vLLM's GPUModelRunner class: vLLM's own part of a method
 the DDTree runner overrides), policy (the AdaptiveBudget class), tree_step (the TreeStep class) or
 host_tree (the module), resolved from the worker; attribute a method or function of it. A timer wraps the attribute where it is found (an instance's method on the instance, a
 class's or module's function on the class or module) and sums wall seconds and calls under the
@@ -37,6 +38,7 @@ def _owners(worker: Any) -> dict[str, Callable[[], Any]]:
         "policy": lambda: importlib.import_module("vllm_ddtree.core.budget").AdaptiveBudget,
         "tree_step": lambda: importlib.import_module("vllm_ddtree.vllm.tree_step").TreeStep,
         "host_tree": lambda: importlib.import_module("vllm_ddtree.vllm.host_tree"),
+        "runner_module": lambda: importlib.import_module("vllm_ddtree.vllm.runner"),
     }
 
 
