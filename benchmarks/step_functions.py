@@ -11,7 +11,7 @@ draw cost ~300 us per pick inside the engine (batch 16, off held: 116 -> 28 us p
 from Python's generator).
 
     python benchmarks/step_functions.py [--variants none default] [--batch 16] [--temperature 1]
-        [--prompts 16] [--max-tokens 64] [--rounds 10] [--functions runner.execute_model ...]
+        [--prompts 16] [--max-tokens 64] [--prompt-tokens 64] [--rounds 10] [--functions ...]
 
 Variants: none (no speculation), chain (vLLM's DFlash chain), default (method ddtree, cap 32,
 adaptive), width1 (ddtree_topk 1), tree<B> (a fixed tree of B nodes). Functions: "owner.attribute"
@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="over 256: held-out snippets concatenated (max_model_len 2048)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--functions", nargs="+", default=list(DEFAULT_FUNCTIONS))
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
@@ -75,12 +76,15 @@ def main() -> None:
     from vllm_ddtree.demo.engines import ENGINE_KWARGS, Work, context_prompts, run_round, shutdown_all, start_engines
 
     target, draft = demo_pair_paths()
-    engines, errors = start_engines(target, [(v, speculative_config(v, draft)) for v in args.variants], dict(ENGINE_KWARGS), print)
+    engine_kwargs = dict(ENGINE_KWARGS)
+    if args.prompt_tokens + args.max_tokens + 64 > engine_kwargs["max_model_len"]:  # the bench's 2k cells' settings
+        engine_kwargs.update(max_model_len=2048, kv_cache_memory_bytes=320 * 2**20)
+    engines, errors = start_engines(target, [(v, speculative_config(v, draft)) for v in args.variants], engine_kwargs, print)
     if errors:
         raise SystemExit(f"engines failed to start: {errors}")
     for engine in engines:
         engine.llm.collective_rpc(function_timers.install, args=(args.functions,))
-    work = Work(tuple(map(tuple, context_prompts(args.prompts, 64))), args.batch, args.temperature, args.max_tokens, seeded=False)
+    work = Work(tuple(map(tuple, context_prompts(args.prompts, args.prompt_tokens))), args.batch, args.temperature, args.max_tokens, seeded=False)
     run_round(engines, work, 0)  # warm-up
     before = {e.name: e.llm.collective_rpc(function_timers.read)[0] for e in engines}
     ratios: dict[str, list[float]] = {e.name: [] for e in engines[1:]}
