@@ -1,15 +1,15 @@
 """Wall-clock timers around named functions of a running engine, installed and read in its engine-core
 process through `LLM.collective_rpc` (`benchmarks/step_functions.py`).
 
-A target is "owner.attribute": owner one of runner, model (the target), drafter, draft_model, clock
-(the budget policy's step clock), runner_module (functions as the runner module imported them),
-vllm_runner (vLLM's GPUModelRunner class: vLLM's own part of a method
-the DDTree runner overrides), policy (the AdaptiveBudget class), tree_step (the TreeStep class) or
-host_tree (the module), resolved from the worker; attribute a method or function of it. A timer wraps the attribute where it is found (an instance's method on the instance, a
-class's or module's function on the class or module) and sums wall seconds and calls under the
-target's name; nested timed functions count in both. Targets an engine lacks (no drafter without
-speculation) are skipped. Each wrapper costs about a microsecond per call: time few functions per run
-to compare engines, not to read absolute step times.
+A target is "owner.attribute", the owner resolved from the worker: runner, model (the target),
+drafter, draft_model, clock (the budget policy's step clock), runner_module (functions as the runner
+module imported them), vllm_runner (vLLM's GPUModelRunner class: vLLM's own part of a method the DDTree
+runner overrides), policy (the AdaptiveBudget class), tree_step (the TreeStep class) or host_tree (the
+module). A timer wraps the attribute where it is found (an instance's method on the instance, a class's
+or module's function on the class or module) and sums wall seconds and calls under the target's name;
+nested timed functions count in both. Targets an engine lacks (no drafter without speculation) are
+skipped. Each wrapper costs about a microsecond per call: time few functions per run to compare
+engines, not to read absolute step times.
 """
 
 from __future__ import annotations
