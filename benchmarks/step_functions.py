@@ -11,10 +11,10 @@ draw cost ~300 us per pick inside the engine (batch 16, off held: 116 -> 28 us p
 from Python's generator).
 
     python benchmarks/step_functions.py [--variants none default] [--batch 16] [--temperature 1]
-        [--prompts 16] [--max-tokens 64] [--prompt-tokens 64] [--rounds 10] [--functions ...]
+        [--prompts 16] [--max-tokens 64] [--context short] [--rounds 10] [--functions ...]
 
-Variants: none (no speculation), chain (vLLM's DFlash chain), default (method ddtree, cap 32,
-adaptive), width1 (ddtree_topk 1), tree<B> (a fixed tree of B nodes). Functions: "owner.attribute"
+Variants, configured as the bench configures them: none (no speculation), chain (vLLM's DFlash chain),
+default (method ddtree, cap 32, adaptive), width1 (ddtree_topk 1), tree<B> (a fixed tree of B nodes). Functions: "owner.attribute"
 (`function_timers` lists the owners); the default set covers the step's main parts.
 """
 
@@ -41,19 +41,19 @@ DEFAULT_FUNCTIONS = (
 )
 
 
+DEFAULT_BUDGET = 32
+
+
 def speculative_config(variant: str, draft: str) -> dict[str, Any] | None:
-    if variant == "none":
-        return None
-    if variant == "chain":
-        return {"method": "dflash", "model": draft, "num_speculative_tokens": 7}
-    config: dict[str, Any] = {"method": "ddtree", "model": draft, "num_speculative_tokens": 32}
-    if variant == "width1":
-        config.update(num_speculative_tokens=7, ddtree_topk=1, ddtree_adaptive=False)
-    elif variant.startswith("tree"):
-        config.update(num_speculative_tokens=int(variant[4:]), ddtree_adaptive=False)
-    elif variant != "default":
-        raise SystemExit(f"unknown variant {variant!r}")
-    return config
+    """The variant's config, as the bench builds it (`summary.build_variants`)."""
+    from vllm_ddtree.demo.summary import build_variants
+
+    budgets = [int(variant[4:])] if variant.startswith("tree") and variant[4:].isdigit() else []
+    kind = "fixed" if budgets else variant
+    for spec in build_variants(draft, budgets, DEFAULT_BUDGET):
+        if spec.kind == kind and kind != "control":
+            return spec.speculative_config
+    raise SystemExit(f"unknown variant {variant!r}")
 
 
 def main() -> None:
@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="over 256: held-out snippets concatenated (max_model_len 2048)")
+    parser.add_argument("--context", choices=["short", "2k"], default="short", help="the bench's contexts (prompt length, engine settings)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--functions", nargs="+", default=list(DEFAULT_FUNCTIONS))
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
@@ -73,18 +73,21 @@ def main() -> None:
 
     configure_environment()
     from vllm_ddtree.demo import demo_pair_paths, function_timers
-    from vllm_ddtree.demo.engines import ENGINE_KWARGS, Work, context_prompts, run_round, shutdown_all, start_engines
+    from vllm_ddtree.demo.engines import Work, context_prompts, run_round, shutdown_all, start_engines
+
+    from benchmarks.bench import engine_kwargs, prompt_tokens
 
     target, draft = demo_pair_paths()
-    engine_kwargs = dict(ENGINE_KWARGS)
-    if args.prompt_tokens + args.max_tokens + 64 > engine_kwargs["max_model_len"]:  # the bench's 2k cells' settings
-        engine_kwargs.update(max_model_len=2048, kv_cache_memory_bytes=320 * 2**20)
-    engines, errors = start_engines(target, [(v, speculative_config(v, draft)) for v in args.variants], engine_kwargs, print)
+    variants = [(v, speculative_config(v, draft)) for v in args.variants]
+    largest_budget = max(DEFAULT_BUDGET, *(config["num_speculative_tokens"] for _, config in variants if config))  # as the bench
+    kwargs = engine_kwargs([args.context], args.max_tokens, largest_budget, len(variants), 1)
+    engines, errors = start_engines(target, variants, kwargs, print)
     if errors:
         raise SystemExit(f"engines failed to start: {errors}")
     for engine in engines:
         engine.llm.collective_rpc(function_timers.install, args=(args.functions,))
-    work = Work(tuple(map(tuple, context_prompts(args.prompts, args.prompt_tokens))), args.batch, args.temperature, args.max_tokens, seeded=False)
+    num_tokens = prompt_tokens(args.context, args.max_tokens, largest_budget)
+    work = Work(tuple(map(tuple, context_prompts(args.prompts, num_tokens))), args.batch, args.temperature, args.max_tokens, seeded=False)
     run_round(engines, work, 0)  # warm-up
     before = {e.name: e.llm.collective_rpc(function_timers.read)[0] for e in engines}
     ratios: dict[str, list[float]] = {e.name: [] for e in engines[1:]}

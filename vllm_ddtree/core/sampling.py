@@ -164,9 +164,9 @@ def argmax_first(logits: torch.Tensor) -> torch.Tensor:
     (NaN counts as maximal, as there; int64). Host logits of a dtype numpy has go through numpy's
     vectorised argmax (the same rule: first maximum, first NaN; on CPU, one thread: 4 against 33 us for
     torch's `max(-1).indices` at 9 x 4097, 157 against 2237 us at 16 x 152k; inside a batch-1 engine
-    step, right after the forward, 72 against 83 us at 9 x 4097: the first touch dominates); bfloat16 host logits through
-    `_argmax_two_level` when large, else `max(-1).indices` (the first maximal entry too, NaN included);
-    device logits through torch's argmax itself."""
+    step, right after the forward, 72 against 83 us at 9 x 4097: the first touch dominates); bfloat16
+    host logits through `_argmax_two_level` when large, else `max(-1).indices` (the first maximal entry
+    too, NaN included); device logits through torch's argmax itself."""
     if logits.device.type != "cpu":
         return logits.argmax(dim=-1)
     if logits.dtype in _NUMPY_DTYPES:
