@@ -29,6 +29,7 @@ from vllm_ddtree.vllm.host_tree import (
     kv_moves_on_host,
     tree_attention_mask_on_host,
     tree_windows,
+    verify_layout,
 )
 
 FIELDS = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")
@@ -72,6 +73,45 @@ def test_compiled_ancestor_mask_is_the_cores(table, budget):
     tree = build_draft_trees(*table, budget)
     mask = tree_attention_mask_on_host(tree)
     assert mask.dtype == torch.bool and torch.equal(mask, tree_attention_mask(tree))
+
+
+@given(st.one_of(draft_tables(max_depth=7, max_topk=6), draft_tables(max_depth=7, max_topk=1)), st.integers(0, 40), st.data())
+def test_verify_layout_is_the_numpy_formulas(table, budget, data):
+    """The step's layout in one compiled pass equals its formulas: node i of request r at batch row
+    root_rows[r] + i and logits row (sum of 1 + num_drafts[q] for q < r) + i (padded nodes: the root's),
+    branching iff some valid node's parent is not i - 1, the core's ancestor mask, the branching trees'
+    valid nodes in request-major order at start + depth and start + i, the deepest valid depth; with
+    token ids, None iff some valid node's token is not the scheduled one."""
+    tree = build_draft_trees(*table, budget)
+    num_req, width = tree.token_ids.shape
+    width = data.draw(st.integers(int(tree.num_nodes.max()), width), label="width")
+    num_drafts = tree.num_nodes.numpy() - 1
+    gaps = np.array(data.draw(st.lists(st.integers(0, 3), min_size=num_req, max_size=num_req), label="gaps"))
+    root_rows = np.cumsum(gaps + 1 + num_drafts) - 1 - num_drafts
+    starts = np.array(data.draw(st.lists(st.integers(0, 50), min_size=num_req, max_size=num_req), label="starts"))
+    layout = verify_layout(tree, width, root_rows, starts, num_drafts)
+    valid, parents, depths = tree.valid.numpy()[:, :width], tree.parents.numpy()[:, :width], tree.depths.numpy()[:, :width]
+    offsets = np.where(valid, np.arange(width), 0)
+    logit_starts = np.cumsum(1 + num_drafts) - 1 - num_drafts
+    branching = ((parents != np.arange(-1, width - 1)) & valid).any(1)
+    select = valid & branching[:, None]
+    expected = {
+        "node_rows": root_rows[:, None] + offsets, "node_logit_rows": logit_starts[:, None] + offsets, "branching": branching,
+        "ancestor_mask": tree_attention_mask(tree).numpy()[:, :width, :width], "rows": (root_rows[:, None] + offsets)[select],
+        "tree_positions": (starts[:, None] + depths)[select], "linear_positions": (starts[:, None] + np.arange(width))[select],
+    }
+    for name, value in expected.items():
+        got = getattr(layout, name)
+        assert got.dtype == value.dtype and np.array_equal(got, value), name
+    assert layout.max_depth == int(depths[valid].max())
+    dtype = data.draw(st.sampled_from([np.int32, np.int64]), label="token dtype")
+    token_ids = np.full((num_req + 1, 100), -7, dtype=dtype)
+    for r in range(num_req):
+        token_ids[r, starts[r] : starts[r] + width] = np.where(valid[r], tree.token_ids.numpy()[r, :width], 12345)
+    assert verify_layout(tree, width, root_rows, starts, num_drafts, token_ids) is not None
+    r, i = data.draw(st.sampled_from(np.argwhere(valid).tolist()), label="changed node")
+    token_ids[r, starts[r] + i] += 1
+    assert verify_layout(tree, width, root_rows, starts, num_drafts, token_ids) is None
 
 
 @given(st.one_of(draft_tables(max_depth=7, max_topk=6, vocab=8), draft_tables(max_depth=7, max_topk=1, vocab=4)), st.integers(0, 40),

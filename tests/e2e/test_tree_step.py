@@ -96,10 +96,10 @@ def test_whole_proposed_trees_are_taken_as_built_by_the_general_path():
     fast_store, slow_store = Proposals(), Proposals()
     fast_store.add(trees, ["a", "b"])
     slow_store.add(trees, ["a", "b"])
-    assert slow_store.whole(["b", "a"], np.array([6, 6])) is None  # another order: not whole
+    assert slow_store.whole(["b", "a"]) is None  # another order: not whole
     fast = TreeStep.build(["a", "b"], *args, fast_store)
     general = TreeStep.build(["a", "b"], *args, _GatherOnly(slow_store))
-    assert fast_store.whole(["a", "b"], np.array([6, 6])) is None  # taken
+    assert fast_store.whole(["a", "b"]) is None  # taken
     for name in ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes"):
         assert torch.equal(getattr(fast.tree, name), getattr(general.tree, name)), name
     assert fast.tree.max_depth == general.tree.max_depth
@@ -110,6 +110,14 @@ def test_whole_proposed_trees_are_taken_as_built_by_the_general_path():
     store.add(trees, ["a", "b"])
     step = TreeStep.build(["a", "b"], *args[:3], mismatch, store)
     assert step.num_chain_fallbacks == 1 and torch.equal(step.tree.parents[0], trees.parents[0])  # b alone, as the general path
+    cut = (np.array([0, 6]), np.array([7, 30]), np.array([5, 3]), token_rows([7, 30], trees, [0, 1], [5, 3]))
+    steps = []
+    for store in (Proposals(), Proposals()):  # b's tree cut to 3 drafts: not scheduled whole, gathered
+        store.add(trees, ["a", "b"])
+        steps.append(TreeStep.build(["a", "b"], *cut, store if not steps else _GatherOnly(store)))
+    for name in ("token_ids", "parents", "depths", "valid", "num_nodes"):
+        assert torch.equal(getattr(steps[0].tree, name), getattr(steps[1].tree, name)), name
+    assert steps[0].tree.num_nodes.tolist() == [6, 4] and steps[0].num_chain_fallbacks == 0
 
 
 class _GatherOnly(Proposals):
@@ -119,5 +127,5 @@ class _GatherOnly(Proposals):
         super().__init__()
         self._latest = store._latest
 
-    def whole(self, req_ids, num_nodes):
+    def whole(self, req_ids):
         return None

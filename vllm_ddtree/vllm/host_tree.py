@@ -191,6 +191,126 @@ def tree_attention_mask_on_host(tree: DraftTree) -> torch.Tensor:
 
 
 @_compiled
+def _scheduled_are_trees(
+    token_ids: np.ndarray, tree_tokens: np.ndarray, valid: np.ndarray, num_nodes: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray
+) -> bool:
+    for r in range(tree_tokens.shape[0]):
+        if num_nodes[r] != 1 + num_drafts[r]:
+            return False
+        for i in range(num_nodes[r]):
+            if valid[r, i] and token_ids[r, starts[r] + i] != tree_tokens[r, i]:
+                return False
+    return True
+
+
+@_compiled
+def _verify_layout(
+    parents: np.ndarray,
+    depths: np.ndarray,
+    valid: np.ndarray,
+    width: int,
+    root_rows: np.ndarray,
+    starts: np.ndarray,
+    num_drafts: np.ndarray,
+    token_ids: np.ndarray,
+    tree_tokens: np.ndarray,
+    num_nodes: np.ndarray,
+) -> tuple[bool, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """With token_ids of any rows, first `_scheduled_are_trees` (else False and empty arrays)."""
+    num_req = parents.shape[0]
+    if token_ids.shape[0] > 0 and not _scheduled_are_trees(token_ids, tree_tokens, valid, num_nodes, starts, num_drafts):
+        empty = np.empty(0, dtype=np.int64)
+        return False, np.empty((0, 0), dtype=np.int64), np.empty((0, 0), dtype=np.int64), np.empty(0, dtype=np.bool_), \
+            np.empty((0, 0, 0), dtype=np.bool_), empty, empty, empty, 0
+    node_rows = np.empty((num_req, width), dtype=np.int64)
+    logit_rows = np.empty((num_req, width), dtype=np.int64)
+    branching = np.zeros(num_req, dtype=np.bool_)
+    mask = np.zeros((num_req, width, width), dtype=np.bool_)
+    first, selected, max_depth = 0, 0, 0
+    for r in range(num_req):
+        count = 0
+        for i in range(width):
+            offset = i if valid[r, i] else 0
+            node_rows[r, i], logit_rows[r, i] = root_rows[r] + offset, first + offset
+            if valid[r, i]:
+                count += 1
+                branching[r] |= parents[r, i] != i - 1
+                max_depth = max(max_depth, depths[r, i])
+            node, steps = i, 0
+            while node >= 0 and steps <= width:  # a tree's path ends at the root (parent -1)
+                mask[r, i, node] = True
+                node, steps = parents[r, node], steps + 1
+        first += 1 + num_drafts[r]
+        if branching[r]:
+            selected += count
+    rows = np.empty(selected, dtype=np.int64)
+    tree_positions = np.empty(selected, dtype=np.int64)
+    linear_positions = np.empty(selected, dtype=np.int64)
+    k = 0
+    for r in range(num_req):
+        if not branching[r]:
+            continue
+        for i in range(width):
+            if valid[r, i]:
+                rows[k], tree_positions[k], linear_positions[k] = node_rows[r, i], starts[r] + depths[r, i], starts[r] + i
+                k += 1
+    return True, node_rows, logit_rows, branching, mask, rows, tree_positions, linear_positions, max_depth
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyLayout:
+    """Where a step's tree nodes go in the verify batch, R requests, their trees' first `width` columns
+    (the rest, if any, padding), from one compiled pass over the trees:
+    node_rows [R, width]: batch row of node i, root_rows[r] + i (padded nodes: the root's row);
+    node_logit_rows [R, width]: its row of the step's logits, which hold 1 + num_drafts[r] rows per
+    request in batch order (padded nodes: the root's row);
+    branching [R]: the tree is not a chain (some valid node's parent is not the node before it);
+    ancestor_mask [R, width, width]: `core.tree_attention_mask` of the trees;
+    rows [M]: batch rows of the branching trees' valid nodes (request-major, node order), with their
+    tree_positions [M] (start + depth: RoPE positions of the verify pass) and linear_positions [M]
+    (start + i: positions once each window is read as a chain);
+    max_depth: the deepest valid node's depth."""
+
+    node_rows: np.ndarray
+    node_logit_rows: np.ndarray
+    branching: np.ndarray
+    ancestor_mask: np.ndarray
+    rows: np.ndarray
+    tree_positions: np.ndarray
+    linear_positions: np.ndarray
+    max_depth: int
+
+
+def verify_layout(
+    tree: DraftTree,
+    width: int,
+    root_rows: np.ndarray,
+    starts: np.ndarray,
+    num_drafts: np.ndarray,
+    token_ids: np.ndarray | None = None,
+) -> VerifyLayout | None:
+    """The `VerifyLayout` of host trees [R, >= width] (every valid node in the first `width` columns)
+    whose roots sit at batch rows root_rows [R] and positions starts [R] with num_drafts [R] scheduled
+    drafts. With token_ids ([>= R, L]: each request's tokens by position), None unless every tree was
+    scheduled whole (num_nodes [R] = 1 + num_drafts) and every valid node's token is the scheduled one,
+    token_ids[r, starts[r] + i]. (One compiled call: this runs at every step with drafts.)"""
+    ids = _NO_TOKEN_IDS if token_ids is None else np.ascontiguousarray(token_ids, dtype=token_ids.dtype if token_ids.dtype == np.int32 else np.int64)
+    ok, *fields = _verify_layout(
+        _int64(tree.parents), _int64(tree.depths), np.ascontiguousarray(tree.valid.numpy()), width, _int64_array(root_rows),
+        _int64_array(starts), _int64_array(num_drafts), ids, _int64(tree.token_ids), _int64(tree.num_nodes),
+    )
+    return VerifyLayout(*fields) if ok else None
+
+
+_NO_TOKEN_IDS = np.zeros((0, 0), dtype=np.int32)
+"""`verify_layout`'s token ids when nothing is checked (vLLM's dtype: no other compilation)."""
+
+
+def _int64_array(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+@_compiled
 def _tree_windows(
     ancestor_mask: np.ndarray,
     starts: np.ndarray,
@@ -441,3 +561,6 @@ def warm_up() -> None:
         accepted_by_shape_on_host(shapes, used, tree, acceptance.accepted_nodes, np.ones(1, dtype=np.bool_), torch.zeros_like(tree.token_ids))
     table = torch.arange(4, dtype=torch.int32).view(1, 4)
     tree_windows(tree_attention_mask_on_host(tree), torch.tensor([5]), tree.num_nodes, tree.valid, torch.zeros(1, dtype=torch.long), table, 4)
+    rows = np.zeros(1, dtype=np.int64)
+    for dtype in (np.int32, np.int64):  # vLLM's token ids, and the tests'
+        verify_layout(tree, tree.nodes_per_request, rows, rows, tree.num_nodes.numpy() - 1, np.zeros((1, 8), dtype=dtype))

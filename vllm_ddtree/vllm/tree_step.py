@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance
-from vllm_ddtree.vllm.host_tree import kv_moves_on_host, tree_attention_mask_on_host
+from vllm_ddtree.vllm.host_tree import VerifyLayout, kv_moves_on_host, tree_attention_mask_on_host, verify_layout
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,9 @@ class Proposals:
         for req_id in req_ids:
             self._latest.pop(req_id, None)
 
-    def whole(self, req_ids: list[str], num_nodes: np.ndarray) -> DraftTree | None:
+    def whole(self, req_ids: list[str]) -> DraftTree | None:
         """The drafter's batched tree itself when it is exactly these requests' trees: one `DraftTree`
-        whose row r is req_ids[r], every tree scheduled whole (num_nodes [R] its node counts); else None.
+        whose row r is req_ids[r]; else None. (Whether each was scheduled whole is the caller's check.)
         Nothing is removed (`drop` once it is used)."""
         entries = [self._latest.get(req_id) for req_id in req_ids]
         first = entries[0]
@@ -87,7 +87,7 @@ class Proposals:
         trees = first[0]
         if any(entry is None or entry[0] is not trees or entry[1] != row for row, entry in enumerate(entries)):
             return None
-        return trees if np.array_equal(trees.num_nodes.numpy(), num_nodes) else None
+        return trees
 
     def take(self, req_ids: list[str], width: int) -> ProposedTrees:
         """The trees of `req_ids` (removed from the store: a scheduled request is proposed anew), cut or
@@ -160,8 +160,9 @@ class TreeStep:
     Built in `_prepare_inputs`:
       root_rows [R]: batch row of each root (its last scheduled row when it has no drafts);
       starts [R]: root position; num_drafts [R]: drafts scheduled (0: a tree of the root alone);
-      tree: DraftTree [R, N]; ancestor_mask: tree_attention_mask(tree) [R, N, N] (computed when first
-      read: the tree attention of branching trees; chains never need it);
+      tree: DraftTree [R, N]; layout: where its nodes go in the verify batch (`host_tree.VerifyLayout`:
+      node and logits rows, branching, ancestor masks, positions, in one compiled pass; None when every
+      tree is its root alone); ancestor_mask: tree_attention_mask(tree) [R, N, N];
       num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's;
       has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
     Filled by the runner:
@@ -174,6 +175,7 @@ class TreeStep:
     starts: torch.Tensor
     num_drafts: torch.Tensor
     tree: DraftTree
+    layout: VerifyLayout | None = None
     num_chain_fallbacks: int = 0
     has_drafts: bool = True
     node_slots: torch.Tensor | None = None
@@ -201,17 +203,16 @@ class TreeStep:
             return cls.roots_alone(root_rows, starts, token_ids)
         num_nodes = 1 + num_drafts
         width = int(num_nodes.max())
+        whole = proposals.whole(req_ids) if num_drafts.all() else None
+        if whole is not None:  # scheduled whole? checked and laid out in one compiled pass
+            layout = verify_layout(whole, width, root_rows, starts, num_drafts, token_ids)
+            if layout is not None:
+                proposals.drop(req_ids)
+                return cls._of(_first_columns(whole, width, layout.max_depth), layout, root_rows, starts, num_drafts)
         offsets = np.arange(width)
         valid = offsets[None, :] < num_nodes[:, None]
         columns = starts[:, None] + np.where(valid, offsets[None, :], 0)
-        scheduled = np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64)
-        whole = proposals.whole(req_ids, num_nodes) if num_drafts.all() else None
-        if whole is not None:
-            step = cls._from_proposed(whole, width, scheduled, root_rows, starts, num_drafts)
-            if step is not None:
-                proposals.drop(req_ids)
-                return step
-        tokens = torch.from_numpy(scheduled)
+        tokens = torch.from_numpy(np.take_along_axis(token_ids[:num_req], columns, 1).astype(np.int64))
         chain = torch.arange(-1, width - 1).expand(num_req, width)
         parents, depths, ranks = chain.clone(), (chain + 1).clone(), torch.zeros(num_req, width, dtype=torch.long)
         valid_t = torch.from_numpy(valid)
@@ -236,40 +237,21 @@ class TreeStep:
             num_nodes=torch.from_numpy(num_nodes).long(),
             max_depth=int(depths.max()),
         )
-        return cls._of(tree, root_rows, starts, num_drafts, num_chain_fallbacks=fallbacks)
+        layout = verify_layout(tree, width, root_rows, starts, num_drafts)
+        assert layout is not None
+        return cls._of(tree, layout, root_rows, starts, num_drafts, num_chain_fallbacks=fallbacks)
 
     @classmethod
-    def _from_proposed(
-        cls, trees: DraftTree, width: int, tokens: np.ndarray, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray
-    ) -> TreeStep | None:
-        """The step's trees are the proposed ones (every request drafted and scheduled its whole tree,
-        in the drafter's order): its columns up to `width` (the rest are padding), when the scheduled
-        tokens [R, width] are the trees' (else None: `build` verifies the mismatches as chains). (Checked
-        in numpy: this runs at every step with drafts.)"""
-        valid = trees.valid[:, :width]
-        if not ((trees.token_ids.numpy()[:, :width] == tokens) | ~valid.numpy()).all():
-            return None
-        depths = trees.depths[:, :width]
-        tree = DraftTree(
-            token_ids=trees.token_ids[:, :width],
-            parents=trees.parents[:, :width],
-            depths=depths,
-            ranks=trees.ranks[:, :width],
-            valid=valid,
-            num_nodes=trees.num_nodes,
-            max_depth=int(depths.numpy().max()),
-            chain_token_ids=trees.chain_token_ids,
-        )
-        return cls._of(tree, root_rows, starts, num_drafts)
-
-    @classmethod
-    def _of(cls, tree: DraftTree, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray, num_chain_fallbacks: int = 0) -> TreeStep:
-        """The step of these trees and host arrays, with the trees' ancestor masks."""
+    def _of(
+        cls, tree: DraftTree, layout: VerifyLayout, root_rows: np.ndarray, starts: np.ndarray, num_drafts: np.ndarray, num_chain_fallbacks: int = 0
+    ) -> TreeStep:
+        """The step of these trees, their layout and host arrays."""
         return cls(
             root_rows=torch.from_numpy(root_rows).long(),
             starts=torch.from_numpy(starts).long(),
             num_drafts=torch.from_numpy(num_drafts).long(),
             tree=tree,
+            layout=layout,
             num_chain_fallbacks=num_chain_fallbacks,
         )
 
@@ -298,7 +280,9 @@ class TreeStep:
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
-        return tree_attention_mask_on_host(self.tree)  # a step's trees are host tensors (`build`)
+        if self.layout is None:  # roots alone
+            return tree_attention_mask_on_host(self.tree)  # a step's trees are host tensors (`build`)
+        return torch.from_numpy(self.layout.ancestor_mask)
 
     @property
     def drafted(self) -> torch.Tensor:
@@ -316,44 +300,49 @@ class TreeStep:
 
     @functools.cached_property
     def _node_rows(self) -> torch.Tensor:
-        offsets = np.arange(self.tree.nodes_per_request)
-        return torch.from_numpy(self.root_rows.numpy()[:, None] + np.where(self.tree.valid.numpy(), offsets, 0))
+        if self.layout is None:  # roots alone
+            return self.root_rows.unsqueeze(1)
+        return torch.from_numpy(self.layout.node_rows)
 
     @functools.cached_property
     def has_branching(self) -> bool:
         """Some request's tree is not a chain: the step needs tree positions, masks and attention (a
         batch of chains keeps vLLM's linear positions and causal attention)."""
-        return self.has_drafts and bool(self.branching().any())
+        return self.layout is not None and bool(self.layout.branching.any())
 
     @functools.cached_property
     def _branching(self) -> torch.Tensor:
-        previous = np.arange(-1, self.tree.nodes_per_request - 1)
-        return torch.from_numpy(((self.tree.parents.numpy() != previous) & self.tree.valid.numpy()).any(1))
+        if self.layout is None:  # roots alone
+            return torch.zeros(self.tree.num_requests, dtype=torch.bool)
+        return torch.from_numpy(self.layout.branching)
 
     def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
         (every other row already has its linear position)."""
-        return self._select_nodes(self.starts.numpy()[:, None] + self.tree.depths.numpy())
+        assert self.layout is not None
+        return torch.from_numpy(self.layout.rows), torch.from_numpy(self.layout.tree_positions)
 
     def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, positions) of the branching trees' nodes once each window is read as a chain:
         start + i (what the drafter expects once the accepted path is put first, `kv_moves`)."""
-        return self._select_nodes(self.starts.numpy()[:, None] + np.arange(self.tree.nodes_per_request))
+        assert self.layout is not None
+        return torch.from_numpy(self.layout.rows), torch.from_numpy(self.layout.linear_positions)
 
     def attention_rows(self) -> TreeRows | None:
         """The branching trees' rows for the tree attention; None when every tree is a chain."""
         if not self.has_branching:
             return None
-        branching = self.branching()
-        if bool(branching.all()):
+        assert self.layout is not None
+        if self.layout.branching.all():
             return TreeRows(
-                req_indices=torch.arange(branching.numel()),
+                req_indices=torch.arange(self.tree.num_requests),
                 starts=self.starts,
                 num_nodes=self.tree.num_nodes,
                 valid=self.tree.valid,
                 ancestor_mask=self.ancestor_mask,
                 node_rows=self.node_rows(),
             )
+        branching = self.branching()
         return TreeRows(
             req_indices=branching.nonzero().squeeze(1),
             starts=self.starts[branching],
@@ -382,21 +371,27 @@ class TreeStep:
 
     @functools.cached_property
     def _node_logit_rows(self) -> torch.Tensor:
-        if not self.has_drafts:  # roots alone: row r is request r's
+        if self.layout is None:  # roots alone: row r is request r's
             return torch.arange(self.tree.num_requests).unsqueeze(1)
-        rows = 1 + self.num_drafts.numpy()
-        offsets = np.arange(self.tree.nodes_per_request)
-        return torch.from_numpy((np.cumsum(rows) - rows)[:, None] + np.where(self.tree.valid.numpy(), offsets, 0))
+        return torch.from_numpy(self.layout.node_logit_rows)
 
     def draw_positions(self) -> torch.Tensor:
         """[R, N] the sequence position of the token each node draws: root position + depth + 1."""
         return self.starts.unsqueeze(1) + self.tree.depths + 1
 
-    def _select_nodes(self, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows, values [R, N] of those rows) of the branching trees' valid nodes (flattened directly when
-        that is every node). Host arrays in numpy: a few small operations per step, each several times
-        cheaper than torch's."""
-        select = self.tree.valid.numpy() & self.branching().numpy()[:, None]
-        if select.all():
-            return self.node_rows().flatten(), torch.from_numpy(values.reshape(-1))
-        return torch.from_numpy(self.node_rows().numpy()[select]), torch.from_numpy(values[select])
+
+def _first_columns(trees: DraftTree, width: int, max_depth: int) -> DraftTree:
+    """The trees' first `width` columns (the trees themselves when that is all of them; the rest are
+    padding), with max_depth their deepest node's depth."""
+    if width == trees.nodes_per_request:
+        return DraftTree(trees.token_ids, trees.parents, trees.depths, trees.ranks, trees.valid, trees.num_nodes, max_depth, trees.chain_token_ids)
+    return DraftTree(
+        token_ids=trees.token_ids[:, :width],
+        parents=trees.parents[:, :width],
+        depths=trees.depths[:, :width],
+        ranks=trees.ranks[:, :width],
+        valid=trees.valid[:, :width],
+        num_nodes=trees.num_nodes,
+        max_depth=max_depth,
+        chain_token_ids=trees.chain_token_ids,
+    )
