@@ -316,17 +316,17 @@ class TreeStep:
             return torch.zeros(self.tree.num_requests, dtype=torch.bool)
         return torch.from_numpy(self.layout.branching)
 
-    def tree_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def tree_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, RoPE positions) of the branching trees' nodes for the verify pass: start + depth(i)
         (every other row already has its linear position)."""
         assert self.layout is not None
-        return torch.from_numpy(self.layout.rows), torch.from_numpy(self.layout.tree_positions)
+        return self.layout.rows, self.layout.tree_positions
 
-    def linear_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def linear_positions(self) -> tuple[np.ndarray, np.ndarray]:
         """(rows, positions) of the branching trees' nodes once each window is read as a chain:
         start + i (what the drafter expects once the accepted path is put first, `kv_moves`)."""
         assert self.layout is not None
-        return torch.from_numpy(self.layout.rows), torch.from_numpy(self.layout.linear_positions)
+        return self.layout.rows, self.layout.linear_positions
 
     def attention_rows(self) -> TreeRows | None:
         """The branching trees' rows for the tree attention; None when every tree is a chain."""
