@@ -225,7 +225,6 @@ def _verify_layout(
     node_rows = np.empty((num_req, width), dtype=np.int64)
     logit_rows = np.empty((num_req, width), dtype=np.int64)
     branching = np.zeros(num_req, dtype=np.bool_)
-    mask = np.zeros((num_req, width, width), dtype=np.bool_)
     first, selected, max_depth = 0, 0, 0
     for r in range(num_req):
         count = 0
@@ -236,10 +235,6 @@ def _verify_layout(
                 count += 1
                 branching[r] |= parents[r, i] != i - 1
                 max_depth = max(max_depth, depths[r, i])
-            node, steps = i, 0
-            while node >= 0 and steps <= width:  # a tree's path ends at the root (parent -1)
-                mask[r, i, node] = True
-                node, steps = parents[r, node], steps + 1
         first += 1 + num_drafts[r]
         if branching[r]:
             selected += count
@@ -254,7 +249,7 @@ def _verify_layout(
             if valid[r, i]:
                 rows[k], tree_positions[k], linear_positions[k] = node_rows[r, i], starts[r] + depths[r, i], starts[r] + i
                 k += 1
-    return True, node_rows, logit_rows, branching, mask, rows, tree_positions, linear_positions, max_depth
+    return True, node_rows, logit_rows, branching, _ancestor_masks(parents[:, :width]), rows, tree_positions, linear_positions, max_depth
 
 
 @dataclasses.dataclass(frozen=True)
