@@ -4,8 +4,9 @@ process through `LLM.collective_rpc` (`benchmarks/step_functions.py`).
 A target is "owner.attribute", the owner resolved from the worker: runner, model (the target),
 drafter, draft_model, clock (the budget policy's step clock), runner_module (functions as the runner
 module imported them), vllm_runner (vLLM's GPUModelRunner class: vLLM's own part of a method the DDTree
-runner overrides), policy (the AdaptiveBudget class), tree_step (the TreeStep class) or host_tree (the
-module). A timer wraps the attribute where it is found (an instance's method on the instance, a class's
+runner overrides), policy (the AdaptiveBudget class), tree_step (the TreeStep class), host_tree (the
+module), scheduler (vLLM's Scheduler class, which the CPU's UnpaddedScheduler subclasses) or engine_core
+(vLLM's EngineCore class: `step`, `post_step`, the engine's whole step). A timer wraps the attribute where it is found (an instance's method on the instance, a class's
 or module's function on the class or module) and sums wall seconds and calls under the target's name;
 nested timed functions count in both. Targets an engine lacks (no drafter without speculation) are
 skipped. Each wrapper costs about a microsecond per call: time few functions per run to compare
@@ -39,6 +40,8 @@ def _owners(worker: Any) -> dict[str, Callable[[], Any]]:
         "tree_step": lambda: importlib.import_module("vllm_ddtree.vllm.tree_step").TreeStep,
         "host_tree": lambda: importlib.import_module("vllm_ddtree.vllm.host_tree"),
         "runner_module": lambda: importlib.import_module("vllm_ddtree.vllm.runner"),
+        "scheduler": lambda: importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler,
+        "engine_core": lambda: importlib.import_module("vllm.v1.engine.core").EngineCore,
     }
 
 
