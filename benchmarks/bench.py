@@ -23,7 +23,9 @@ How (`vllm_ddtree.demo.engines`): one engine per variant, each in its own vLLM e
 alive at once. Per cell, `--warmup-rounds` untimed rounds (they also fill the prefix cache: in 2k cells
 the timed rounds prefill only each prompt's last partial KV block, so they time decoding after a 2k
 context), then `--rounds` timed rounds; each round times every variant once on the cell's work, in an
-order rotated by one place per round (the rotation continues across cells). Before each timed pass
+order rotated by one place per round (the rotation continues across cells), call by call: at least
+`--min-calls` `LLM.generate` calls per variant (a cell whose prompts fit in fewer, batch 16 with 8
+prompts: one call of ~1 s, serves them again), so that no round's ratio rests on one short call. Before each timed pass
 the engine serves the same prompts with max_tokens 1; the difference is the decode steps alone.
 
 Reported per cell and variant (`vllm_ddtree.demo.stats`, `vllm_ddtree.demo.summary`), as median
@@ -66,7 +68,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
@@ -106,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per cell")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds per cell before the timed ones")
+    parser.add_argument("--min-calls", type=int, default=3,
+                        help="LLM.generate calls per variant per round at least: a cell whose prompts fit in fewer calls serves them repeatedly")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--target", help="target checkpoint (default: the shipped pair's); give --draft with it")
     parser.add_argument("--draft", help="its DFlash draft checkpoint")
@@ -306,6 +310,7 @@ def measure_cells(args: argparse.Namespace, say: Callable[[str], None]) -> tuple
         for cell in cells:
             active = [e for e in engines if cell.temperature == 0 or not spec_of[e.name].greedy_only]
             work = Work(prompts[cell.context], cell.batch, cell.temperature, args.max_tokens, seeded=not args.unseeded)
+            work = replace(work, repeats=-(-args.min_calls // work.calls_per_pass))
             start = time.perf_counter()
             try:
                 runs, rounds = measure_cell(active, work, args.rounds, args.warmup_rounds, shift)
@@ -336,6 +341,7 @@ def cell_json(cell: Cell, work: Work, seconds: float, runs: dict[str, list[Timed
         "temperature": cell.temperature,
         "context": cell.context,
         "prompt_tokens": len(work.prompts[0]),
+        "calls_per_round": work.calls_per_pass * work.repeats,
         "seconds": seconds,
         "variants": [s.to_json() for s in summaries],
         "per_round_seconds": {name: [r.seconds for r in rs] for name, rs in runs.items()},

@@ -42,6 +42,10 @@ def test_every_call_of_a_pass_is_served_by_every_engine_in_a_rotating_order():
         timed, token_ids, counters, shapes = served[name]
         assert token_ids == [[1, 0], [2, 0], [3, 0]] and counters == SpecCounters(0, 0, 0, ()) and shapes is None
         assert timed.seconds > 0 and timed.stages is None
+    log.clear()  # a pass of one call, repeated: the repeats interleave call by call, rotating on
+    served = serve_interleaved(engines, Work(((1,), (2,)), 2, 0.0, 2, repeats=3), shift=0)
+    assert log == [("a", [1, 2]), ("b", [1, 2]), ("b", [1, 2]), ("a", [1, 2]), ("a", [1, 2]), ("b", [1, 2])]
+    assert served["a"][1] == [[1, 0], [2, 0]] * 3 and Work(((1,), (2,), (3,)), 2, 0.0, 2).calls_per_pass == 2
 
 
 def test_only_fixed_shape_ddtree_engines_time_their_stages():

@@ -3,7 +3,8 @@
 On the embedded trained pair (vllm_ddtree/demo/pair/: a 4-layer Qwen3 target and its 2-layer DFlash
 draft) with held-out standard-library code prompts, greedy, two scenarios:
 * latency: batch 1, `--latency-prompts` prompts served one at a time;
-* throughput: batch 16, one `LLM.generate` call of `--prompts` prompts.
+* throughput: batch 16, one `LLM.generate` call of `--prompts` prompts, `--throughput-calls` times per
+  round (interleaved call by call with the other variants).
 Variants: no speculation; vLLM's DFlash chain; DDTree of width 1 (the chain's shape, stage-timed: the
 chain of the step-time comparison); DDTree's default configuration (`num_speculative_tokens` =
 `--default-budget`, adaptive: the headline); DDTree at fixed budgets (`--budgets`); with `--ngram`,
@@ -22,7 +23,7 @@ to a log file next to the results.
 Prints one table per scenario and a paragraph computed from this run's stage times; writes a PNG and a
 JSON. Exits 1 if any variant's output differs from plain decoding in any round (DDTree is lossless).
 
-    python -m vllm_ddtree.demo [--prompts 16] [--latency-prompts 8] [--max-tokens 64] [--rounds 3]
+    python -m vllm_ddtree.demo [--prompts 16] [--latency-prompts 8] [--max-tokens 64] [--rounds 3] [--throughput-calls 3]
                                [--budgets 8 32] [--default-budget 32] [--ngram] [--out benchmarks/results]
 """
 
@@ -57,7 +58,8 @@ class Scenario:
     def description(self) -> str:
         w = self.work
         how = "served one at a time" if w.batch == 1 else "in one generate call" if w.batch == len(w.prompts) else f"{w.batch} per call"
-        return f"{self.name}: {len(w.prompts)} prompts of {len(w.prompts[0])} tokens {how}, {w.max_tokens} new tokens each"
+        again = f" ({w.repeats} times per round)" if w.repeats > 1 else ""
+        return f"{self.name}: {len(w.prompts)} prompts of {len(w.prompts[0])} tokens {how}{again}, {w.max_tokens} new tokens each"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--latency-prompts", type=int, default=8, help="prompts of the latency scenario (batch 1)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds")
+    parser.add_argument("--throughput-calls", type=int, default=3,
+                        help="the throughput scenario's generate calls per variant and round (one call is ~1 s: a short sample of a drifting machine)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 32], help="fixed DDTree budgets")
     parser.add_argument("--default-budget", type=int, default=32, help="num_speculative_tokens of the default (adaptive) config")
     parser.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram (prompt lookup)")
@@ -88,7 +92,7 @@ def scenarios_of(args: argparse.Namespace) -> list[Scenario]:
     prompts = tuple(map(tuple, context_prompts(max(args.prompts, args.latency_prompts), PROMPT_TOKENS)))
     return [
         Scenario("latency", Work(prompts[: args.latency_prompts], 1, 0.0, args.max_tokens)),
-        Scenario("throughput", Work(prompts[: args.prompts], args.prompts, 0.0, args.max_tokens)),
+        Scenario("throughput", Work(prompts[: args.prompts], args.prompts, 0.0, args.max_tokens, repeats=args.throughput_calls)),
     ]
 
 

@@ -123,16 +123,28 @@ class Work:
     `max_tokens` new tokens each (ignore_eos); greedy at temperature 0, else prompt i seeded with
     SEED_BASE + i (the same draws in every round) unless `seeded` is off (requests as most users send
     them: method 'ddtree' then draws its steps without drafts with vLLM's sampler, seeded ones with the
-    core rule, `vllm.sampling.plain_sampler_serves`)."""
+    core rule, `vllm.sampling.plain_sampler_serves`); the whole pass `repeats` times (a pass of one
+    call is one short sample of a drifting machine per round; repeated, its calls interleave with the
+    other engines' one by one, `serve_interleaved`, and the round's figure averages over them)."""
 
     prompts: tuple[tuple[int, ...], ...]
     batch: int
     temperature: float
     max_tokens: int
     seeded: bool = True
+    repeats: int = 1
+
+    @property
+    def calls_per_pass(self) -> int:
+        """`LLM.generate` calls of one pass over the prompts."""
+        return -(-len(self.prompts) // self.batch)
 
     def calls(self) -> Iterator[tuple[list[dict[str, list[int]]], Any]]:
         """(prompts, sampling params) of each `LLM.generate` call, in order."""
+        for _ in range(self.repeats):
+            yield from self._pass()
+
+    def _pass(self) -> Iterator[tuple[list[dict[str, list[int]]], Any]]:
         from vllm import SamplingParams
 
         for first in range(0, len(self.prompts), self.batch):
