@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quick", action="store_true",
-        help="batches 1 4, T 0, short context, budget 8 (the default covers larger trees), 4 prompts, 32 tokens, 2 rounds",
+        help="batches 1 4, T 0, short context, budget 8 (the default covers larger trees), 4 prompts, 32 tokens, 2 rounds, 1 call per round at least",
     )
     args = parser.parse_args(argv)
     if (args.target is None) != (args.draft is None):
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         # Five engines: their start-ups (10-17 s each on 2 cores) are most of the run's two minutes.
         args.batches, args.temperatures, args.contexts, args.budgets = [1, 4], [0.0], ["short"], [8]
-        args.prompts, args.max_tokens, args.rounds = 4, 32, 2
+        args.prompts, args.max_tokens, args.rounds, args.min_calls = 4, 32, 2, 1
     return args
 
 
