@@ -25,8 +25,9 @@ the timed rounds prefill only each prompt's last partial KV block, so they time 
 context), then `--rounds` timed rounds; each round times every variant once on the cell's work, in an
 order rotated by one place per round (the rotation continues across cells), call by call: at least
 `--min-calls` `LLM.generate` calls per variant (a cell whose prompts fit in fewer, batch 16 with 8
-prompts: one call of ~1 s, serves them again), so that no round's ratio rests on one short call. Before each timed pass
-the engine serves the same prompts with max_tokens 1; the difference is the decode steps alone.
+prompts: one call of ~1 s, serves them again), so that no round's ratio rests on one short call.
+Before each timed pass the engine serves the same prompts with max_tokens 1; the difference is the
+decode steps alone.
 
 Reported per cell and variant (`vllm_ddtree.demo.stats`, `vllm_ddtree.demo.summary`), as median
 [min-max] over timed rounds:
@@ -129,6 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         parser.error("--target and --draft go together")
+    if args.min_calls < 1:
+        parser.error("--min-calls must be at least 1")
     if args.quick:
         # Five engines: their start-ups (10-17 s each on 2 cores) are most of the run's two minutes.
         args.batches, args.temperatures, args.contexts, args.budgets = [1, 4], [0.0], ["short"], [8]

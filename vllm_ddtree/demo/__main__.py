@@ -83,7 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--default-budget", type=int, default=32, help="num_speculative_tokens of the default (adaptive) config")
     parser.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram (prompt lookup)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.throughput_calls < 1:
+        parser.error("--throughput-calls must be at least 1")
+    return args
 
 
 def scenarios_of(args: argparse.Namespace) -> list[Scenario]:
