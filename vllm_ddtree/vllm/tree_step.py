@@ -164,7 +164,8 @@ class TreeStep:
       node and logits rows, branching, ancestor masks, positions, in one compiled pass; None when every
       tree is its root alone); ancestor_mask: tree_attention_mask(tree) [R, N, N];
       num_chain_fallbacks: requests verified as a chain because their drafts were not their tree's;
-      has_drafts: some request verifies drafts (False: every tree is its root alone, `roots_alone`).
+      has_drafts: some request verifies drafts (the step has a layout; False: every tree is its root
+      alone, `roots_alone`).
     Filled by the runner:
       node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`; steps with drafts only);
       target_token_ids [R, N], acceptance: `_sample`; plan: `_sample`, on a platform whose KV cache is
@@ -177,7 +178,6 @@ class TreeStep:
     tree: DraftTree
     layout: VerifyLayout | None = None
     num_chain_fallbacks: int = 0
-    has_drafts: bool = True
     node_slots: torch.Tensor | None = None
     target_token_ids: torch.Tensor | None = None
     acceptance: TreeAcceptance | None = None
@@ -275,7 +275,6 @@ class TreeStep:
             starts=torch.from_numpy(starts.astype(np.int64)),
             num_drafts=torch.from_numpy(np.zeros(num_req, dtype=np.int64)),
             tree=tree,
-            has_drafts=False,
         )
 
     @functools.cached_property
@@ -283,6 +282,10 @@ class TreeStep:
         if self.layout is None:  # roots alone
             return tree_attention_mask_on_host(self.tree)  # a step's trees are host tensors (`build`)
         return torch.from_numpy(self.layout.ancestor_mask)
+
+    @property
+    def has_drafts(self) -> bool:
+        return self.layout is not None
 
     @property
     def drafted(self) -> torch.Tensor:
