@@ -110,12 +110,11 @@ def _check_context_layouts(runner) -> list[bool]:
     drafter = runner.drafter
     defer = drafter.defer_context
 
-    def checking_defer(states, positions, slots):
-        n = positions.shape[0]
-        draft_slots = runner.input_batch.block_table[drafter.kv_cache_gid].slot_mapping.gpu[:n]
-        results.append(states.shape[0] == n and bool(torch.equal(positions, runner.positions[:n]))
-                       and bool(torch.equal(slots, draft_slots)))
-        defer(states, positions, slots)
+    def checking_defer(parts, count, positions, slots):
+        draft_slots = runner.input_batch.block_table[drafter.kv_cache_gid].slot_mapping.gpu[:count]
+        results.append(all(part.shape[0] >= count for part in parts) and bool(torch.equal(positions[:count], runner.positions[:count]))
+                       and bool(torch.equal(slots[:count], draft_slots)))
+        defer(parts, count, positions, slots)
 
     drafter.defer_context = checking_defer
     return results

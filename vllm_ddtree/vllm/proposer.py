@@ -21,12 +21,13 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes, unreadable_context_rows
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.deferred_context import DeferredContext
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
 DEFERRED_BYTES = 8 * 2**20
-"""Deferred context (the target's hidden states) that triggers a store pass (`DDTreeProposer.defer_context`):
+"""Deferred context (the target's hidden states) held at most before a store pass (`DDTreeProposer.defer_context`):
 4096 rows of the embedded pair, about 200 of an 8B target's 5 x 4096 bf16 features."""
 
 
@@ -53,12 +54,8 @@ class DDTreeProposer(DFlashProposer):
         self.budget_policy: BudgetPolicy | None = SamplingRegimes(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self._candidates = 1
-        self._deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        """Context rows of steps without speculation not yet stored: (target hidden states, positions,
-        KV slots), written by `store_deferred_context`."""
-        self.deferred_rows = 0
-        """How many rows `_deferred` holds."""
-        self._deferred_bytes = 0
+        self._deferred = DeferredContext()
+        """Context rows of steps without speculation not yet stored, written by `store_deferred_context`."""
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
 
     def choose_shape(self, num_requests: int) -> TreeShape:
@@ -139,22 +136,28 @@ class DDTreeProposer(DFlashProposer):
         slots = self._context_slot_mapping_buffer[:num_context]
         self.model.precompute_and_store_context_kv(hidden_states, positions, slots)
 
-    def defer_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """Keep context rows (the target's hidden states [n, aux layers x hidden], positions [n], KV slots
-        [n]) of a step without drafts for `store_deferred_context`; stored at once when DEFERRED_BYTES wait.
-        Every row of such a step is context at its own position and KV slot (target and draft share one
-        KV cache group, hence one block table), so the target's positions and slot mapping serve as they
-        are; the rows are stored together with other steps' rows in one pass before the next draft pass,
+    @property
+    def deferred_rows(self) -> int:
+        """Context rows deferred and not yet stored."""
+        return self._deferred.rows
+
+    def defer_context(self, parts: Sequence[torch.Tensor], count: int, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Keep the first `count` context rows of a step without drafts for `store_deferred_context`: the
+        target's hidden states, given as feature-wise parts (the aux layers' outputs [>= count, hidden]),
+        positions and KV slots [>= count] (copied: views of buffers the next step rewrites). Every row of
+        such a step is context at its own position and KV slot (target and draft share one KV cache
+        group, hence one block table), so the target's positions and slot mapping serve as they are;
+        the rows are stored together with other steps' rows in one pass before the next draft pass,
         when KV blocks may change hands (less the rows no request can read: `unreadable_context_rows`),
-        or once DEFERRED_BYTES wait (one pass over many steps' rows costs about what one step's pass did).
-        positions and slots are copied (views of buffers the next step rewrites); the hidden states too
-        when they are a view (vLLM's concatenation of the aux layers is a fresh tensor)."""
-        states = target_hidden_states.clone() if target_hidden_states._is_view() else target_hidden_states
-        self._deferred.append((states, positions.clone(), slots.clone()))
-        self.deferred_rows += positions.shape[0]
-        self._deferred_bytes += states.numel() * states.element_size()
-        if self._deferred_bytes >= DEFERRED_BYTES:
+        or before more than DEFERRED_BYTES would wait (one pass over many steps' rows costs about what
+        one step's pass did); a step's rows beyond that are stored at once."""
+        row_bytes = DeferredContext.row_bytes(parts)
+        if (self._deferred.rows + count) * row_bytes > DEFERRED_BYTES:
             self.store_deferred_context()
+            if count * row_bytes > DEFERRED_BYTES:
+                self._store_context(torch.cat([part[:count] for part in parts], dim=-1), positions[:count], slots[:count])
+                return
+        self._deferred.add(parts, count, positions, slots)
 
     def store_deferred_context(self, finished_blocks: Sequence[Sequence[int]] = ()) -> None:
         """Store the deferred context rows of steps without speculation in one pass (no-op if none), less
@@ -163,21 +166,20 @@ class DDTreeProposer(DFlashProposer):
         Must run before a draft pass reads the context and before a KV block holding deferred rows can
         be given to another request (the runner calls it when requests finish, are preempted or arrive,
         with the finished requests' block tables)."""
-        if not self._deferred:
+        held = self._deferred.take()
+        if held is None:
             return
-        parts, self._deferred = self._deferred, []
-        self.deferred_rows = self._deferred_bytes = 0
-        positions, slots = torch.cat([part[1] for part in parts]), torch.cat([part[2] for part in parts])
-        readable = None
+        states, positions, slots = held
         if finished_blocks:
             readable = ~unreadable_context_rows(positions, slots, finished_blocks, self.block_size, self._prefix_caching)
-            if not bool(readable.any()):  # nothing to store: the hidden states are not even concatenated
-                return
-            positions, slots = positions[readable], slots[readable]
-        states = torch.cat([part[0] for part in parts])
-        if readable is not None:
-            states = states[readable]
-        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
+            if not bool(readable.all()):
+                states, positions, slots = states[readable], positions[readable], slots[readable]
+        if positions.numel():
+            self._store_context(states, positions, slots)
+
+    def _store_context(self, target_hidden_states: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the draft's context K/V for these rows (DFlash's KV injection)."""
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(target_hidden_states), positions, slots)
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:

@@ -567,9 +567,9 @@ class DDTreeRunnerMixin:
     ) -> None:
         """Hand the drafter the context rows of a step without drafts followed by none
         (`DDTreeProposer.defer_context`): the step's `count` rows, each at its own position and KV slot."""
-        states = (torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
-                  if self.use_aux_hidden_state_outputs else hidden_states[:count])
-        self.drafter.defer_context(states, self.positions[:count], slot_mapping[:count])
+        parts = aux_hidden_states if self.use_aux_hidden_state_outputs else [hidden_states]
+        assert parts is not None  # a draft that reads aux layers gets them from every target forward
+        self.drafter.defer_context(parts, count, self.positions, slot_mapping)
         self.drafter.last_trees = None
 
     @override

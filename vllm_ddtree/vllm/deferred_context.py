@@ -1,0 +1,93 @@
+"""Context rows of steps without speculation, held for one store pass (`DDTreeProposer.defer_context`).
+
+A step without speculation keeps its rows for the draft: the target's hidden states (the aux layers'
+outputs, concatenated feature-wise), their positions and KV slots. They are appended to buffers
+allocated once and reused after every store pass, one copy per part and no allocation per step. On
+the host the copies go through numpy views: at batch 1 a step appends one row, and a torch op per
+copy (slice, cat, clone) costs several times a numpy assignment once a forward has evicted the caches
+(measured in the engine, batch 1: 39 us per step with torch's cat and clones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+MIN_ROWS = 64
+"""Rows the buffers start with; they double when a step's rows do not fit."""
+
+
+class DeferredContext:
+    """Rows appended step by step until `take` hands them over. Invariant: `rows` rows are held, the
+    first `rows` of each buffer, in the order they were appended."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self._states: torch.Tensor | None = None  # [capacity, features]
+        self._positions: torch.Tensor | None = None  # [capacity]
+        self._slots: torch.Tensor | None = None  # [capacity]
+        self._host_views: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        """numpy views of the three buffers when they live on the host."""
+
+    @staticmethod
+    def row_bytes(parts: Sequence[torch.Tensor]) -> int:
+        """Bytes of one row of hidden states made of `parts`."""
+        return sum(part.shape[-1] for part in parts) * parts[0].element_size()
+
+    def add(self, parts: Sequence[torch.Tensor], count: int, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Append the first `count` rows of hidden states given as feature-wise parts [>= count, F_i]
+        (concatenated in order), positions [>= count] and KV slots [>= count] (copied: the caller's
+        buffers are rewritten by the next step)."""
+        start, end = self.rows, self.rows + count
+        if self._states is None or end > self._states.shape[0]:
+            self._reserve(end, parts, positions, slots)
+        host = self._host_views
+        if host is not None:
+            states, held_positions, held_slots = host
+            offset = 0
+            for part in parts:
+                width = part.shape[-1]
+                states[start:end, offset : offset + width] = _numpy(part)[:count]
+                offset += width
+            held_positions[start:end] = _numpy(positions)[:count]
+            held_slots[start:end] = _numpy(slots)[:count]
+        else:
+            assert self._states is not None and self._positions is not None and self._slots is not None
+            torch.cat([part[:count] for part in parts], dim=-1, out=self._states[start:end])
+            self._positions[start:end].copy_(positions[:count], non_blocking=True)
+            self._slots[start:end].copy_(slots[:count], non_blocking=True)
+        self.rows = end
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The rows held (states [n, F], positions [n], slots [n]: views of the buffers, valid until the
+        next `add`), none held after; None when none were."""
+        if not self.rows:
+            return None
+        assert self._states is not None and self._positions is not None and self._slots is not None
+        rows, self.rows = self.rows, 0
+        return self._states[:rows], self._positions[:rows], self._slots[:rows]
+
+    def _reserve(self, rows: int, parts: Sequence[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Grow the buffers to at least `rows` rows (at least doubled) for hidden states like `parts`, the
+        rows held kept. (A step's parts always have the widths and dtype of the first step's: numpy
+        refuses other widths.)"""
+        features = sum(part.shape[-1] for part in parts)
+        states = self._states
+        assert states is None or (states.shape[1] == features and states.dtype == parts[0].dtype), "one engine's rows keep one layout"
+        capacity = max(rows, MIN_ROWS, 2 * (states.shape[0] if states is not None else 0))
+        device = parts[0].device
+        grown = (torch.empty((capacity, features), dtype=parts[0].dtype, device=device),
+                 torch.empty(capacity, dtype=positions.dtype, device=device),
+                 torch.empty(capacity, dtype=slots.dtype, device=device))
+        if states is not None and self._positions is not None and self._slots is not None:
+            for new, old in zip(grown, (states, self._positions, self._slots)):
+                new[: self.rows] = old[: self.rows]
+        self._states, self._positions, self._slots = grown
+        self._host_views = tuple(_numpy(buffer) for buffer in grown) if device.type == "cpu" else None  # type: ignore[assignment]
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor's numpy view (bfloat16, which numpy lacks, as its bits: the rows are only copied)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
