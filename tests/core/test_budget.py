@@ -25,7 +25,9 @@ from vllm_ddtree.core.budget import (
     batch_bucket,
     candidate_shapes,
     chain_accepted,
+    context_bucket,
     nested_shapes,
+    step_bucket,
     tokens_by_shape,
 )
 
@@ -45,6 +47,42 @@ def test_candidates_are_off_chain_and_doubling_trees_up_to_the_cap(cap, depth):
 
 def test_batch_buckets_are_powers_of_two():
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 7, 8, 16, 31)] == [0, 1, 1, 2, 2, 3, 4, 4]
+
+
+def test_context_buckets_double_from_512_tokens_and_keep_batch_buckets_apart():
+    assert [context_bucket(t) for t in (0, 511.9, 512, 1023, 1024, 2047, 2048, 10**6)] == [0, 0, 1, 1, 2, 2, 3, 11]
+    assert [context_bucket(t) for t in (float("nan"), float("inf"), -5.0)] == [0, 0, 0]
+    assert [step_bucket(n, 100.0) for n in (1, 4, 16)] == [batch_bucket(n) for n in (1, 4, 16)]  # short contexts: the batch's
+    buckets = {step_bucket(n, t) for n in (1, 2, 4, 8, 2**20) for t in (0, 600, 1500, 3000, 10**5)}
+    assert len(buckets) == 25  # every (batch, context) pair its own bucket
+
+
+def test_a_longer_context_is_timed_apart_instead_of_holding_the_short_contexts_best():
+    """Trees win at short contexts; at 2k tokens of context a tree's step grows more than off's (its rows'
+    attention), so off wins there. The policy, its costs kept per context length, holds off at 2k after
+    a few probes instead of carrying the short context's ratios over (paired timing would scale every
+    shape by the held tree's slowdown), and resumes the tree when short contexts return."""
+    shapes = candidate_shapes(16, 7)
+    tokens = {OFF: 1.0, TreeShape(4): 2.2, TreeShape(7, 1): 2.4, TreeShape(8): 2.8, TreeShape(16): 3.0}
+    seconds = {"short": {OFF: 0.003, TreeShape(4): 0.0055, TreeShape(7, 1): 0.0058, TreeShape(8): 0.006, TreeShape(16): 0.007},
+               "long": {OFF: 0.007, TreeShape(4): 0.021, TreeShape(7, 1): 0.024, TreeShape(8): 0.026, TreeShape(16): 0.03}}
+    context = {"short": 128.0, "long": 1900.0}
+    policy = AdaptiveBudget(shapes, seed=3)
+    phases = {}
+    for phase in ("short", "long", "short"):
+        chosen = []
+        for _ in range(600):
+            shape = policy.choose(1, context[phase])
+            chosen.append(shape)
+            policy.observe(1, shape, seconds[phase][shape], {s: tokens[s] for s in reported_shapes(shapes, shape)}, context[phase])
+        phases.setdefault(phase, []).append(chosen)
+    first_short, long, second_short = phases["short"][0], phases["long"][0], phases["short"][1]
+    fastest = {phase: max(shapes, key=lambda s: tokens[s] / seconds[phase][s]) for phase in seconds}
+    assert fastest == {"short": TreeShape(8), "long": OFF}
+    assert policy.best_shape(1, context["short"]) == TreeShape(8) and policy.best_shape(1, context["long"]) == OFF
+    assert sum(s == TreeShape(8) for s in first_short[-300:]) >= 270
+    assert sum(not s.is_off for s in long) <= 20  # learning the new bucket: a few probes, not hundreds of tree steps
+    assert sum(s == TreeShape(8) for s in second_short[:50]) >= 40  # the short contexts' best kept
 
 
 def simulate(policy: AdaptiveBudget, rates: dict[TreeShape, float], steps: int, num_requests: int = 4) -> list[TreeShape]:
@@ -293,11 +331,11 @@ class RecordingPolicy:
     def __init__(self) -> None:
         self.observed: list[tuple] = []
 
-    def choose(self, num_requests: int) -> TreeShape:
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
         return TreeShape(4)
 
-    def observe(self, num_requests, used, seconds, tokens) -> None:
-        self.observed.append((num_requests, used, None if seconds is None else round(seconds, 6), tokens))
+    def observe(self, num_requests, used, seconds, tokens, context_tokens=0.0) -> None:
+        self.observed.append((num_requests, used, None if seconds is None else round(seconds, 6), tokens, context_tokens))
 
 
 def test_step_clock_reports_contiguous_decode_steps_only():
@@ -306,11 +344,11 @@ def test_step_clock_reports_contiguous_decode_steps_only():
     policy = RecordingPolicy()
     clock = StepClock(policy, idle_factor=2.0, idle_slack=0.01)
     shape = TreeShape(4)
-    clock.step_started(0.0, 2, shape, decode_only=True)
+    clock.step_started(0.0, 2, shape, decode_only=True, context_tokens=700.0)
     clock.step_sampled(6, {OFF: 0, shape: 4})
     clock.step_ended(0.05)
-    clock.step_started(0.06, 2, shape, decode_only=True)  # contiguous: reported
-    assert policy.observed == [(2, shape, 0.06, {OFF: 2, shape: 6})]
+    clock.step_started(0.06, 2, shape, decode_only=True)  # contiguous: reported, with its own context
+    assert policy.observed == [(2, shape, 0.06, {OFF: 2, shape: 6}, 700.0)]
     clock.step_sampled(2, {shape: 0})
     clock.step_ended(0.1)
     clock.step_started(0.5, 2, shape, decode_only=True)  # idle gap (0.44 > 2 x 0.04 + 0.01): dropped

@@ -17,12 +17,12 @@ class ScriptedBudget:
     chosen: list[TreeShape] = field(default_factory=list)
     observed: int = 0
 
-    def choose(self, num_requests: int) -> TreeShape:
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
         shape = self.script[len(self.chosen) % len(self.script)]
         self.chosen.append(shape)
         return shape
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
+    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0) -> None:
         self.observed += 1
 
     def requests_arrived(self, num_requests: int) -> None:

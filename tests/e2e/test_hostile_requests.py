@@ -513,8 +513,8 @@ class _RecordingPolicy:
     def shapes(self) -> list[TreeShape]:
         return self.policy.shapes
 
-    def choose(self, num_requests: int) -> TreeShape:
-        shape = self.policy.choose(num_requests)
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
+        shape = self.policy.choose(num_requests, context_tokens)
         self.chosen.append(shape)
         return shape
 

@@ -1,14 +1,19 @@
-"""Adaptive tree budget: each step, the tree shape with the best measured throughput at this batch size.
+"""Adaptive tree budget: each step, the tree shape with the best measured throughput at this batch size and context length.
 
 Rule. Candidates are: off (no tree nodes: a plain decoding step; the draft only stores its context,
 without its block pass), the chain (width 1, `depth` nodes) and best-first trees of 4, 8, 16, ... nodes up to
 the configured cap (the cap itself included), ordered by node count. We keep the seconds per step of
-each candidate for every batch-size bucket (1, 2-3, 4-7, ...), and decayed means of the tokens
-it commits per request and step, pooled over all batch sizes (acceptance depends on the text, not on
+each candidate for every bucket of batch size (1, 2-3, 4-7, ...) and context length (tokens per
+request below 512, 512-1023, 1024-2047, ...: `step_bucket`), and decayed means of the tokens
+it commits per request and step, pooled over all buckets (acceptance depends on the text, not on
 the batch, and small buckets see few steps). Seconds are measured for the shape a step used, except
 its first step in the bucket (one-time costs: new tensor shapes, caches) and steps whose drafting
-prepares the other kind of step (speculation after none or none after speculation, `StepClock`), and follow only shape and
-batch, so a short window of recent steps serves. Tokens follow the text (a repetition loop accepts every draft, fresh code
+prepares the other kind of step (speculation after none or none after speculation, `StepClock`), and follow only shape, batch
+and context length, so a short window of recent steps serves. (Context length: a verify forward's
+attention reads every row's context, so a tree's step grows with the context faster than off's, and
+the speed paired timing derives from the held shape would carry a short context's ratios over to a
+long one: traced at batch 1, T=0, after three rounds of short prompts trees of 16 held for ~220 steps
+of 2k-token prompts, the first such round 7.3 s against 3.9 s once off held.) Tokens follow the text (a repetition loop accepts every draft, fresh code
 few; sampling at T > 0 fewer than greedy), so they are decayed means over about thirty steps, decayed by
 engine steps rather than by the shape's own observations: a shape not run for a while (its tokens
 measured on other text) is re-learnt from its next few steps instead of holding a stale estimate that
@@ -104,6 +109,14 @@ FEW_SAMPLES = 16
 """A rival measured on fewer steps than this is re-measured when a new request arrives at batch 1
 (`AdaptiveBudget.requests_arrived`)."""
 
+CONTEXT_BUCKET_TOKENS = 512
+"""Context tokens per request from which the policy times shapes apart by context length, per doubling
+(`context_bucket`): a verify forward's attention grows with the context, and with it the shapes' costs
+relative to each other, which paired timing (`AdaptiveBudget._time`) assumes fixed within a bucket."""
+
+BATCH_BUCKETS = 64
+"""Batch buckets per context bucket in a bucket's number (`step_bucket`): more than any batch has."""
+
 FOLLOW_STEPS = 32
 """Timed steps before a bucket chooses for itself, while an adjacent bucket has run this many
 (`AdaptiveBudget._followed`)."""
@@ -149,9 +162,11 @@ class BudgetPolicy(Protocol):
 
     shapes: list[TreeShape]
 
-    def choose(self, num_requests: int) -> TreeShape: ...
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape: ...
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None: ...
+    def observe(
+        self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0
+    ) -> None: ...
 
     def requests_arrived(self, num_requests: int) -> None:
         """New requests joined the batch, which now holds `num_requests`."""
@@ -174,6 +189,24 @@ def candidate_shapes(cap: int, depth: int) -> list[TreeShape]:
 def batch_bucket(num_requests: int) -> int:
     """floor(log2(num_requests)): requests 1 | 2-3 | 4-7 | ..."""
     return max(1, num_requests).bit_length() - 1
+
+
+def context_bucket(context_tokens: float) -> int:
+    """0 below CONTEXT_BUCKET_TOKENS tokens per request, then one per doubling: 512-1023 | 1024-2047 | ..."""
+    tokens = context_tokens if 0 <= context_tokens < 2**40 else 0  # NaN, negative or absurd: the first
+    return int(tokens // CONTEXT_BUCKET_TOKENS).bit_length()
+
+
+def step_bucket(num_requests: int, context_tokens: float) -> int:
+    """The policy's bucket of a batch of `num_requests` requests holding `context_tokens` tokens each on
+    average: its batch bucket + BATCH_BUCKETS x its context bucket (the batch bucket of a bucket is
+    `bucket % BATCH_BUCKETS`; short contexts keep the batch bucket's number)."""
+    return batch_bucket(num_requests) + BATCH_BUCKETS * context_bucket(context_tokens)
+
+
+def _batch_of(bucket: int) -> int:
+    """The batch bucket of a policy bucket (`step_bucket`): 0 is batch 1."""
+    return bucket % BATCH_BUCKETS
 
 
 @dataclass
@@ -374,12 +407,13 @@ def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, i
 @dataclass
 class TimedStep:
     """One decode-only engine step as the policy sees it: batch size, the shape it verified, when it
-    started, seconds until its sampling ended (None until then), tokens committed and draft tokens
-    accepted per shape (`accepted_by_shape`)."""
+    started, the batch's context tokens per request, seconds until its sampling ended (None until
+    then), tokens committed and draft tokens accepted per shape (`accepted_by_shape`)."""
 
     requests: int
     shape: TreeShape
     start: float
+    context_tokens: float = 0.0
     busy: float | None = None
     committed: int = 0
     accepted: dict[TreeShape, int] = field(default_factory=dict)
@@ -413,15 +447,16 @@ class StepClock:
     idle_slack: float = 0.02
     current: TimedStep | None = None
 
-    def step_started(self, now: float, requests: int, shape: TreeShape, decode_only: bool) -> None:
+    def step_started(self, now: float, requests: int, shape: TreeShape, decode_only: bool, context_tokens: float = 0.0) -> None:
+        """A step of `requests` requests holding `context_tokens` tokens each on average started at `now`."""
         last = self.current
         if last is not None and last.committed > 0 and last.busy is not None:
             elapsed = now - last.start
             if elapsed < self.idle_factor * last.busy + self.idle_slack:
                 tokens = tokens_by_shape(last.committed, last.shape, last.accepted)
                 drafted_other_kind = last.shape.is_off != shape.is_off
-                self.policy.observe(last.requests, last.shape, None if drafted_other_kind else elapsed, tokens)
-        self.current = TimedStep(requests, shape, now) if requests > 0 and decode_only else None
+                self.policy.observe(last.requests, last.shape, None if drafted_other_kind else elapsed, tokens, last.context_tokens)
+        self.current = TimedStep(requests, shape, now, context_tokens) if requests > 0 and decode_only else None
 
     def step_sampled(self, committed: int, accepted: dict[TreeShape, int]) -> None:
         if self.current is not None:
@@ -468,9 +503,10 @@ class AdaptiveBudget:
     _bucket_steps: dict[int, int] = field(default_factory=dict)
     _new_text: bool = False
 
-    def choose(self, num_requests: int) -> TreeShape:
-        """The shape of this step's trees for a batch of `num_requests` requests."""
-        bucket = batch_bucket(num_requests)
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
+        """The shape of this step's trees for a batch of `num_requests` requests holding `context_tokens`
+        tokens each on average."""
+        bucket = step_bucket(num_requests, context_tokens)
         if self._current is None or bucket != self._bucket or self._held >= self._hold_now:
             (self._current, self._hold_now), self._bucket, self._held = self._pick(bucket), bucket, 0
         self._held += 1
@@ -488,11 +524,13 @@ class AdaptiveBudget:
         if batch_bucket(num_requests) == 0:
             self._new_text = True
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
-        """A step of `num_requests` requests verified trees of shape `used` in `seconds` (None: untimed);
-        tokens[s] = tokens it committed (s = used) or would have committed (s nested in used, see
-        `nested_shapes`), all requests together."""
-        bucket = batch_bucket(num_requests)
+    def observe(
+        self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0
+    ) -> None:
+        """A step of `num_requests` requests holding `context_tokens` tokens each on average verified
+        trees of shape `used` in `seconds` (None: untimed); tokens[s] = tokens it committed (s = used) or
+        would have committed (s nested in used, see `nested_shapes`), all requests together."""
+        bucket = step_bucket(num_requests, context_tokens)
         if seconds is not None and not STEP_SECONDS[0] <= seconds <= STEP_SECONDS[1]:  # NaN too
             seconds = None
         if seconds is not None and (bucket, used) in self._untimed_first_steps:
@@ -552,9 +590,9 @@ class AdaptiveBudget:
         speed = self.speed.get(bucket)
         return costs.mean * (speed.mean if speed is not None and speed.values else 1.0)
 
-    def best_shape(self, num_requests: int) -> TreeShape | None:
-        """The shape this batch size's bucket holds as its best (None until it has measurements)."""
-        best = self._best.get(batch_bucket(num_requests))
+    def best_shape(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape | None:
+        """The shape this batch's bucket holds as its best (None until it has measurements)."""
+        best = self._best.get(step_bucket(num_requests, context_tokens))
         return None if best is None else self.shapes[best]
 
     def tokens_per_second(self, bucket: int, shape: TreeShape) -> float | None:
@@ -578,7 +616,7 @@ class AdaptiveBudget:
         batches average their requests' dips, and there a step's rate overstates what speculation
         gains end to end (see `_doubted`), so they keep the decayed mean."""
         tokens = self.tokens[shape]
-        if bucket != 0:
+        if _batch_of(bucket) != 0:
             return tokens.mean
         kept = self.samples_decay ** max(0, self._observed_steps - tokens.last_step)
         return kept * tokens.mean + (1 - kept) * self.spread[shape].recent_mean
@@ -646,7 +684,7 @@ class AdaptiveBudget:
         credit's 1.5%)."""
         timed = [i for i in rivals if i in rates]
         rival = self._doubted(bucket, rates, best, timed)
-        if rival is not None and bucket == 0 and self._new_text and self.spread[self.shapes[rival]].steps < FEW_SAMPLES:
+        if rival is not None and _batch_of(bucket) == 0 and self._new_text and self.spread[self.shapes[rival]].steps < FEW_SAMPLES:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
             self._borrow(bucket, rates, best, rival)
             return rival
@@ -691,7 +729,7 @@ class AdaptiveBudget:
         # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
         # no count in a range of width D varies more than (D / 2)^2
         prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
-        confidence, prior_steps = (self.confidence, self.prior_steps) if bucket == 0 else (self.batched_confidence, self.batched_prior_steps)
+        confidence, prior_steps = (self.confidence, self.prior_steps) if _batch_of(bucket) == 0 else (self.batched_confidence, self.batched_prior_steps)
         doubts = {}
         for i in rivals:
             shape = self.shapes[i]
@@ -720,7 +758,7 @@ class AdaptiveBudget:
         seconds, best_seconds = self.seconds(bucket, self.shapes[rival]), self.seconds(bucket, self.shapes[best])
         assert seconds is not None and best_seconds is not None  # both have rates
         unproductive = seconds - _ratio(self.expected_tokens(bucket, self.shapes[rival]), rates[best])
-        extra = seconds - best_seconds if bucket != 0 else 0.0
+        extra = seconds - best_seconds if _batch_of(bucket) != 0 else 0.0
         switches = min(seconds, best_seconds) if self.shapes[rival].is_off != self.shapes[best].is_off else 0.0
         return self.probe_hold * max(0.0, extra, unproductive) + switches
 
@@ -753,12 +791,12 @@ class AdaptiveBudget:
         read at 1.05-1.3x off's, ran 6% slower end to end than off pinned.) From 2-3 requests on down the
         steps run the tail itself, which speculation shortens."""
         rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
-        if bucket >= 2:
+        if _batch_of(bucket) >= 2:
             rates = {i: rate if self.shapes[i].is_off else rate * (1 - self.batched_discount) for i, rate in rates.items()}
         return rates
 
     def _followed(self, bucket: int) -> int | None:
-        """The held best of an adjacent bucket (the larger batch first) that has run FOLLOW_STEPS timed
+        """The held best of an adjacent bucket (the larger batch first, the same context lengths) that has run FOLLOW_STEPS timed
         steps, while this bucket has run fewer; else None (the bucket chooses for itself). A bucket
         visited now and then, such as the few steps of 1-3 requests while an offline batch's requests
         reach the engine one by one, would otherwise spend its rare steps timing the references and
@@ -772,9 +810,10 @@ class AdaptiveBudget:
         return None
 
     def _start_index(self, bucket: int) -> int:
-        """Where an adjacent measured bucket's best shape is; else, when only far batch sizes were
-        measured (whose best says little here: trees that pay at batch 1 can cost several times an off
-        step at batch 16), off, the cheap reference; else (nothing measured) the first tree of >= 8
+        """Where an adjacent measured bucket's best shape is (an adjacent batch bucket, the same context
+        lengths); else, when only far batch sizes or other context lengths were measured (whose best says
+        little here: trees that pay at batch 1 can cost several times an off step at batch 16, or at 2k
+        tokens of context), off, the cheap reference; else (nothing measured) the first tree of >= 8
         nodes (or the cap)."""
         measured = sorted({b for b, _ in self.costs}, key=lambda b: (abs(b - bucket), b))
         for other in (b for b in measured if abs(b - bucket) <= 1):
@@ -818,11 +857,13 @@ class SamplingRegimes:
             policy = self.policies[self.greedy] = AdaptiveBudget(self.shapes, **self.params)
         return policy
 
-    def choose(self, num_requests: int) -> TreeShape:
-        return self.policy.choose(num_requests)
+    def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
+        return self.policy.choose(num_requests, context_tokens)
 
-    def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float]) -> None:
-        self.policy.observe(num_requests, used, seconds, tokens)
+    def observe(
+        self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0
+    ) -> None:
+        self.policy.observe(num_requests, used, seconds, tokens, context_tokens)
 
     def requests_arrived(self, num_requests: int) -> None:
         """Told to every regime's policy: the new request's regime is not known yet, and new text is new

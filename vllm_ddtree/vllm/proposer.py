@@ -58,11 +58,12 @@ class DDTreeProposer(DFlashProposer):
         """Context rows of steps without speculation not yet stored, written by `store_deferred_context`."""
         self._prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
 
-    def choose_shape(self, num_requests: int) -> TreeShape:
+    def choose_shape(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
         """This step's tree shape, `last_shape`: the budget policy's choice for a batch of `num_requests`
-        (TP rank 0's on every rank), or the fixed shape without a policy."""
+        holding `context_tokens` tokens each on average (TP rank 0's on every rank), or the fixed shape
+        without a policy."""
         if self.budget_policy is not None:
-            self.last_shape = _same_on_every_rank(self.budget_policy.choose(num_requests))
+            self.last_shape = _same_on_every_rank(self.budget_policy.choose(num_requests, context_tokens))
         return self.last_shape
 
     @override

@@ -114,6 +114,8 @@ class DDTreeRunnerMixin:
         self.node_grammars = NodeGrammars(vllm_config)
         self.drafter.tree_filter = self._grammar_filtered_trees
         self.clock: StepClock | None = None
+        self._context_tokens = 0.0
+        """Context tokens per request of the batch the last shape was chosen for (`_choose_next_shape`)."""
         self.num_chain_fallbacks = 0
         self._serve_min_p_and_logit_bias()
         self._drafted = False  # whether this step's drafter ran (vLLM skips it near max_model_len)
@@ -206,7 +208,7 @@ class DDTreeRunnerMixin:
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             num_drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             decode_only = scheduler_output.total_num_scheduled_tokens == num_reqs + num_drafts
-            self.clock.step_started(time.perf_counter(), num_reqs, self._step_shape, decode_only)
+            self.clock.step_started(time.perf_counter(), num_reqs, self._step_shape, decode_only, self._context_tokens)
         with self.stage_times.stage(STEP):
             return super().execute_model(scheduler_output, *args, **kwargs)
 
@@ -257,7 +259,11 @@ class DDTreeRunnerMixin:
         if not self._next_shape_chosen:
             if isinstance(policy := self.drafter.budget_policy, SamplingRegimes):  # this batch's regime
                 policy.use(bool(self.input_batch.sampling_metadata.all_greedy))
-            self.drafter.choose_shape(self.input_batch.num_reqs)
+            batch = self.input_batch
+            num_reqs = batch.num_reqs
+            # the policy times shapes apart by context length (attention grows with it)
+            self._context_tokens = float(batch.num_computed_tokens_cpu[:num_reqs].sum()) / max(1, num_reqs)
+            self.drafter.choose_shape(num_reqs, self._context_tokens)
             self._next_shape_chosen = True
         return self.drafter.last_shape
 
