@@ -23,6 +23,9 @@ from vllm_ddtree.vllm import proposer
 BUDGET = 16
 TREE = TreeShape(BUDGET)
 SCRIPTS = {"trees": [TREE], "off, tree": [OFF, TREE], "3 off, tree": [OFF, OFF, OFF, TREE], "off": [OFF]}
+SMALL_PASSES = "3 off, tree, small store passes"
+"""The "3 off, tree" script again with DEFERRED_BYTES at 2 rows: deferred rows stored whenever a step's
+would pass it, and a step with more rows (a prefill chunk, a batch's off step) stored at once."""
 MAX_TOKENS = 64
 
 
@@ -51,10 +54,20 @@ def script_runs(pair_dirs):
     metadata_checks = _check_no_draft_spec_metadata(runner)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     runs = {}
+    stores = []
+    store_context = runner.drafter._store_context
+
+    def counting_store(states, positions, slots):
+        stores.append(positions.shape[0])
+        return store_context(states, positions, slots)
+
+    runner.drafter._store_context = counting_store
     deferral = pytest.MonkeyPatch()
-    deferral.setattr(proposer, "DEFERRED_BYTES", 2**62)  # rows stay deferred until a draft pass or a batch change
     try:
-        for name, script in SCRIPTS.items():
+        for name, script in [*SCRIPTS.items(), (SMALL_PASSES, SCRIPTS["3 off, tree"])]:
+            # rows stay deferred until a draft pass or a batch change, or pass the small limit
+            deferral.setattr(proposer, "DEFERRED_BYTES", 2 * _row_bytes(runner) if name == SMALL_PASSES else 2**62)
+            stores.clear()
             runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), script))
             steps.clear()
             draft_heads.clear()
@@ -69,12 +82,20 @@ def script_runs(pair_dirs):
                 "context_layouts_equal": list(context_layouts),
                 "rows_unstored_at_draft_passes": sum(draft_heads),
                 "no_draft_metadata_equal": list(metadata_checks),
+                "rows_per_store_pass": list(stores),
             }
             metadata_checks.clear()
     finally:
         deferral.undo()
         llm.llm_engine.engine_core.shutdown()
     return runs
+
+
+def _row_bytes(runner) -> int:
+    """Bytes of one deferred context row (its buffers exist once an earlier script has deferred rows)."""
+    states = runner.drafter._deferred._states
+    assert states is not None
+    return states.shape[1] * states.element_size()
 
 
 def _check_no_draft_spec_metadata(runner) -> list[bool]:
@@ -150,9 +171,19 @@ def test_outputs_do_not_depend_on_off_steps(script_runs):
     assert all(run["token_ids"] == reference for run in script_runs.values())
 
 
-@pytest.mark.parametrize("script", ["off, tree", "3 off, tree"])
+@pytest.mark.parametrize("script", ["off, tree", "3 off, tree", SMALL_PASSES])
 def test_the_draft_resumes_with_its_whole_context_after_off_steps(script_runs, script):
     trees = script_runs["trees"]["tokens_per_verify_step"]
     after_off = script_runs[script]["tokens_per_verify_step"]
     print(f"tokens per verify step: trees on every step {trees:.2f}, {script}: {after_off:.2f}")
     assert after_off >= 0.95 * trees
+
+
+def test_small_store_passes_store_every_row_as_one_pass_would(script_runs):
+    """With DEFERRED_BYTES at 2 rows, deferred rows are stored in more, smaller passes, and a step with more
+    rows at once: the draft reads the same context (trees accept as many tokens, the outputs are the same)."""
+    small, large = script_runs[SMALL_PASSES], script_runs["3 off, tree"]
+    assert small["token_ids"] == large["token_ids"]
+    assert small["tokens_per_verify_step"] >= 0.95 * large["tokens_per_verify_step"]
+    assert max(small["rows_per_store_pass"]) > 2  # a step's rows beyond the limit, stored at once
+    assert len(small["rows_per_store_pass"]) > len(large["rows_per_store_pass"])

@@ -13,7 +13,8 @@ and context length, so a short window of recent steps serves. (Context length: a
 attention reads every row's context, so a tree's step grows with the context faster than off's, and
 the speed paired timing derives from the held shape would carry a short context's ratios over to a
 long one: traced at batch 1, T=0, after three rounds of short prompts trees of 16 held for ~220 steps
-of 2k-token prompts, the first such round 7.3 s against 3.9 s once off held.) Tokens follow the text (a repetition loop accepts every draft, fresh code
+of 2k-token prompts before off did; simulated, a tree that wins at short contexts held on ~550 of 600
+steps of a long context where off was 1.3x faster.) Tokens follow the text (a repetition loop accepts every draft, fresh code
 few; sampling at T > 0 fewer than greedy), so they are decayed means over about thirty steps, decayed by
 engine steps rather than by the shape's own observations: a shape not run for a while (its tokens
 measured on other text) is re-learnt from its next few steps instead of holding a stale estimate that
