@@ -257,12 +257,13 @@ class DDTreeRunnerMixin:
     def _choose_next_shape(self) -> TreeShape:
         """The shape of the drafts this step drafts for the next one (once per step)."""
         if not self._next_shape_chosen:
-            if isinstance(policy := self.drafter.budget_policy, SamplingRegimes):  # this batch's regime
-                policy.use(bool(self.input_batch.sampling_metadata.all_greedy))
             batch = self.input_batch
             num_reqs = batch.num_reqs
-            # the policy times shapes apart by context length (attention grows with it)
-            self._context_tokens = float(batch.num_computed_tokens_cpu[:num_reqs].sum()) / max(1, num_reqs)
+            if (policy := self.drafter.budget_policy) is not None:  # a fixed shape needs neither
+                if isinstance(policy, SamplingRegimes):  # this batch's regime
+                    policy.use(bool(batch.sampling_metadata.all_greedy))
+                # the policy times shapes apart by context length (attention grows with it)
+                self._context_tokens = float(batch.num_computed_tokens_cpu[:num_reqs].sum()) / max(1, num_reqs)
             self.drafter.choose_shape(num_reqs, self._context_tokens)
             self._next_shape_chosen = True
         return self.drafter.last_shape
