@@ -586,8 +586,10 @@ class DDTreeRunnerMixin:
         and then hands the scheduler zeros, which would be verified as a chain of wasted rows), or the
         step ran without speculation. None leaves every request without drafts, since scheduling a
         request clears its drafts and only this step's scheduled requests are in the batch."""
+        if not self._drafted:  # (vLLM's would hand back the last drafting step's drafts)
+            return None
         drafts = super().take_draft_token_ids()
-        if drafts is None or not self._drafted or not any(drafts.draft_token_ids):
+        if drafts is None or not any(drafts.draft_token_ids):
             return None
         return drafts
 
