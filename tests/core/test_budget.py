@@ -663,32 +663,57 @@ def test_at_batch_1_the_credit_charges_a_probe_what_its_tokens_lose():
         assert policy._probe_cost(bucket, rates, off, chain) == pytest.approx(expected, rel=1e-6)
 
 
-def test_probes_the_credit_cannot_refuse_are_charged_to_it():
+def test_probes_the_credit_cannot_refuse_are_charged_to_it_per_step_they_run():
     """A new request's re-measurement at batch 1 and a random exploration run whatever the re-probe
     credit holds, and are charged to it all the same (it may go negative): they replace the re-probes
-    the credit pays instead of adding to them. Off held (3 ms steps), the chain timed at 7.4 ms and 2.2
-    tokens over 12 steps (doubted: fewer than FEW_SAMPLES steps), no credit earned (reprobe 0)."""
+    the credit pays instead of adding to them. The charge falls as the probe's steps are observed, so a
+    probe picked for a request that ends before verifying a draft (one output token) costs nothing.
+    Off held (3 ms steps), the chain timed at 7.4 ms and 2.2 tokens over 12 steps (doubted: fewer than
+    FEW_SAMPLES steps), no credit earned (reprobe 0)."""
     chain = TreeShape(7, 1)
+    tokens = {OFF: 1, chain: 2.2}
 
     def timed_policy(explore: float) -> AdaptiveBudget:
         policy = AdaptiveBudget([OFF, chain], explore=explore, reprobe=0.0)
         for shape in (OFF, chain):
             for _ in range(12):
-                policy.observe(1, shape, 0.003 if shape.is_off else 0.0074, {OFF: 1, shape: 2.2 if shape == chain else 1})
+                policy.observe(1, shape, 0.003 if shape.is_off else 0.0074, {OFF: 1, shape: tokens[shape]})
         return policy
+
+    def run_step(policy: AdaptiveBudget, shape: TreeShape) -> None:
+        policy.observe(1, shape, 0.003 if shape.is_off else 0.0074, {OFF: 1, shape: tokens[shape]})
 
     policy = timed_policy(explore=0.0)
     assert policy._pick(0) == (OFF, policy.hold)  # nothing to pay a re-probe with
     cost = policy._probe_cost(0, policy._rates(0), 0, 1)
     policy.requests_arrived(1)
     assert policy._pick(0) == (chain, policy.probe_hold)
+    assert policy.credit.get(0, 0.0) == 0.0  # charged as its steps run
+    run_step(policy, OFF)  # the step that drafted the probe's drafts: observed one step later
+    run_step(policy, chain)
+    assert policy.credit[0] == pytest.approx(-cost / 2)
+    run_step(policy, chain)
+    assert policy.credit[0] == pytest.approx(-cost)
+    run_step(policy, chain)  # a held shape after the probe's steps: not charged
     assert policy.credit[0] == pytest.approx(-cost)
     assert policy._pick(0) == (OFF, policy.hold)  # once per request
 
+    policy = timed_policy(explore=0.0)
+    policy.requests_arrived(1)
+    assert policy._pick(0) == (chain, policy.probe_hold)
+    for _ in range(3):  # the request ended: its probe never verified a draft
+        run_step(policy, OFF)
+    run_step(policy, chain)  # a later chain step is no step of that probe
+    assert policy.credit.get(0, 0.0) == 0.0
+
     policy = timed_policy(explore=1.0)
-    picks = [policy._pick(0)[0] for _ in range(20)]
-    assert chain in picks
-    assert policy.credit[0] == pytest.approx(-cost * picks.count(chain))
+    probes = 0
+    for _ in range(200):
+        shape = policy.choose(1)
+        probes += shape == chain
+        run_step(policy, shape)
+    assert probes > 0
+    assert policy.credit[0] == pytest.approx(-cost * probes / policy.probe_hold, rel=0.05)
 
 
 def test_a_timing_taken_while_the_machine_was_slow_is_taken_again():

@@ -65,7 +65,8 @@ a far costlier shape is rarer and exploration costs about the same whatever the 
 two probes run whatever the credit holds, and are charged to it (it may go negative), so they take the
 place of re-probes the credit would pay rather than adding to them (measured at batch 1 against no
 speculation, in-process, 24 requests interleaved: T=1 3.7% faster on short prompts and 2.5% on 2k-token
-ones, where off is right; T=0 unchanged). Seconds
+ones, where off is right; T=0 unchanged). Every probe is charged per step of it that runs
+(`ProbeCharge`): a probe picked for a request that ends before it verifies a draft costs nothing. Seconds
 are paired (`_time`): a shape's cost is the median of its last 9 timed steps in the bucket (a step the
 machine slowed does not move it), each divided by the machine's speed at that moment, which the held
 shape's steps measure (its own cost stays its first full window's); a shape's seconds are its cost
@@ -405,6 +406,23 @@ def tokens_by_shape(committed: int, used: TreeShape, accepted: dict[TreeShape, i
     return {shape: bonus + gain for shape, gain in accepted.items()}
 
 
+class ProbeCharge(NamedTuple):
+    """A probe's cost over the held best (`AdaptiveBudget._probe_cost`), charged to its bucket's
+    re-probe credit one step at a time as its steps are observed: `per_step` for each of up to `steps`
+    steps of `shape` among the next `window` observed steps (a step is observed one step after the choice
+    that shaped it, so a probe held h steps shows within h + 1). A probe picked for a request that
+    finishes first (a request of one output token: its step after the choice never comes) is not
+    charged: traced at batch 1, T=0, eight such requests between rounds charged ~10 ms of forced probes
+    that never ran, and with the credit negative no doubt could re-measure the trees, while off held for
+    ~80 steps where a tree of 8 ran 1.4x faster."""
+
+    bucket: int
+    shape: TreeShape
+    per_step: float
+    steps: int
+    window: int
+
+
 @dataclass
 class TimedStep:
     """One decode-only engine step as the policy sees it: batch size, the shape it verified, when it
@@ -503,6 +521,7 @@ class AdaptiveBudget:
     _observed_steps: int = 0
     _bucket_steps: dict[int, int] = field(default_factory=dict)
     _new_text: bool = False
+    _probe: ProbeCharge | None = None
 
     def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests holding `context_tokens`
@@ -515,7 +534,7 @@ class AdaptiveBudget:
 
     def requests_arrived(self, num_requests: int) -> None:
         """At batch 1 a new request is new text: its first doubted rival is re-measured even when the
-        re-probe credit cannot pay for it (once per request; borrowed from the credit, `_reprobed`), while
+        re-probe credit cannot pay for it (once per request; charged to the credit, `_reprobed`), while
         the rival's estimate rests on fewer than FEW_SAMPLES steps. Estimates taken on one request's text
         say little about the next one's (traced at batch 1, T=0: the first request's chain accepted 1.5 tokens per step, the later ones
         2.6-3.5; off held for ~200 steps, the credit paying one chain probe per that many). Once a rival
@@ -541,6 +560,8 @@ class AdaptiveBudget:
             initial = self.reprobe * seconds * RETIME_AFTER_STEPS if bucket not in self.credit else 0.0
             self.credit[bucket] = self.credit.get(bucket, 0.0) + initial + self.reprobe * seconds
         self._untimed_first_steps.add((bucket, used))
+        if self._probe is not None:
+            self._charge_probe(bucket, used)
         self._observed_steps += 1
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         requests = max(1, num_requests)
@@ -555,6 +576,16 @@ class AdaptiveBudget:
                 spread = self.spread[shape] = SampleSpread()
             tokens_mean.add(count / requests, self.tokens_decay, self._observed_steps)
             spread.add(count / requests, requests, self.samples_decay, self._observed_steps)
+
+    def _charge_probe(self, bucket: int, used: TreeShape) -> None:
+        """Charge the pending probe (`ProbeCharge`) for an observed step of `used` in `bucket`."""
+        probe = self._probe
+        assert probe is not None
+        steps = probe.steps
+        if used == probe.shape and bucket == probe.bucket:
+            self.credit[bucket] = self.credit.get(bucket, 0.0) - probe.per_step
+            steps -= 1
+        self._probe = probe._replace(steps=steps, window=probe.window - 1) if steps > 0 and probe.window > 1 else None
 
     def _time(self, bucket: int, used: TreeShape, seconds: float) -> None:
         """Paired timing: seconds = the machine's speed now x the shape's cost. A step of the bucket's
@@ -653,7 +684,7 @@ class AdaptiveBudget:
             probe = self._rng.choice(retimed)
             if self._rng.random() * self._cost(bucket, probe, best) < 1:
                 if probe in rates:  # an untimed probe has no cost to charge (`_probe_cost`)
-                    self._borrow(bucket, rates, best, probe)
+                    self._charge(bucket, probe, self._probe_cost(bucket, rates, best, probe))
                 return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
 
@@ -687,7 +718,7 @@ class AdaptiveBudget:
         rival = self._doubted(bucket, rates, best, timed)
         if rival is not None and _batch_of(bucket) == 0 and self._new_text and self.spread[self.shapes[rival]].steps < FEW_SAMPLES:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
-            self._borrow(bucket, rates, best, rival)
+            self._charge(bucket, rival, self._probe_cost(bucket, rates, best, rival))
             return rival
         if rival is None:
             now = self._bucket_steps.get(bucket, 0)
@@ -698,13 +729,15 @@ class AdaptiveBudget:
         extra = self._probe_cost(bucket, rates, best, rival)
         if self.credit.get(bucket, 0.0) < extra:
             return None
-        self.credit[bucket] -= extra
+        self._charge(bucket, rival, extra)
         return rival
 
-    def _borrow(self, bucket: int, rates: dict[int, float], best: int, rival: int) -> None:
-        """Charge a probe of `rival` that runs whatever the credit holds (a new request's re-measurement,
-        exploration) to the bucket's re-probe credit, which may go negative."""
-        self.credit[bucket] = self.credit.get(bucket, 0.0) - self._probe_cost(bucket, rates, best, rival)
+    def _charge(self, bucket: int, rival: int, seconds: float) -> None:
+        """Charge `seconds`, the cost of a probe of `rival` picked now, to the bucket's re-probe credit as
+        its steps run (`ProbeCharge`); the credit may go negative (a new request's re-measurement and
+        exploration run whatever it holds)."""
+        steps = max(1, self.probe_hold)
+        self._probe = ProbeCharge(bucket, self.shapes[rival], seconds / steps, steps, steps + 1)
 
     def _retime_after(self, rates: dict[int, float], best: int, rival: int) -> float:
         """Bucket steps after which `rival`'s timing is re-taken: RETIME_AFTER_STEPS, times the square of
