@@ -56,7 +56,8 @@ at batch 4 and 16, T=0, speculation at par with or ahead of off per decode step 
 speculation end to end), so there the policy asks for more evidence before it re-probes its way onto
 speculation (off measures nothing else while it holds);
 else a rival whose timing is older than RETIME_AFTER_STEPS of its bucket's steps (the machine drifts),
-times the square of how far its rate is behind the best's (paired timings age only in their ratio).
+times the square of how far its rate is behind the best's (paired timings age only in their ratio;
+the re-timing starts a new window of its seconds, `_time`).
 At batch 1 a new request is new text: its first doubted rival is re-measured even when the credit
 cannot pay (borrowing from it), while that rival has been measured on fewer than FEW_SAMPLES steps
 (`requests_arrived`). And with probability `explore` (seeded) a
@@ -512,6 +513,7 @@ class AdaptiveBudget:
     speed: dict[int, RecentMedian] = field(default_factory=dict)
     credit: dict[int, float] = field(default_factory=dict)
     _untimed_first_steps: set[tuple[int, TreeShape]] = field(default_factory=set)
+    _retimed: set[tuple[int, TreeShape]] = field(default_factory=set)
     _current: TreeShape | None = None
     _bucket: int = -1
     _held: int = 0
@@ -600,12 +602,21 @@ class AdaptiveBudget:
         own cost: fed both ways, the split of its seconds into cost and speed random-walks (simulated,
         off held at batch 4, 4 ms steps with 10% noise: the speed wandered over 0.72-1.16 in 20000
         steps, and a tree of 4 timed once at 16 ms read 11.4-18.6 ms), and with it every rival's
-        seconds; the held shape's cost is its first full window's, the speed its ratio to now."""
+        seconds; the held shape's cost is its first full window's, the speed its ratio to now. A rival
+        re-timed because its timing was overdue (`_reprobed`) starts a new window: its old values may
+        rest on another frame of speed (taken before any shape measured the speed, or divided by a
+        speed a slow spell left behind when the held best changed and nothing measured it until the new
+        best's window filled), and diluted by the re-timing's one or two steps they would need several
+        re-timings, 512 or more steps apart, to leave the median (simulated at batch 1: the chain held
+        for ~1500 steps where off ran 1.5x faster; off at batch 16 held from step 1032, now 518)."""
         speed, costs = self.speed.get(bucket), self.costs.get((bucket, used))
         if speed is None:
             speed = self.speed[bucket] = RecentMedian(SPEED_WINDOW)
         if costs is None:
             costs = self.costs[bucket, used] = RecentMedian(self.seconds_window)
+        if self._retimed and (bucket, used) in self._retimed:  # an overdue re-timing: a new window
+            self._retimed.discard((bucket, used))
+            costs.values.clear()
         best = self._best.get(bucket)
         step = self._bucket_steps.get(bucket, 0)
         if len(costs.values) == costs.window and costs.mean > 0 and (best is None or self.shapes[best] == used):
@@ -720,6 +731,7 @@ class AdaptiveBudget:
             self._new_text = False  # a new request's text, and the rival measured on little text (`requests_arrived`)
             self._charge(bucket, rival, self._probe_cost(bucket, rates, best, rival))
             return rival
+        overdue_retime = rival is None
         if rival is None:
             now = self._bucket_steps.get(bucket, 0)
             overdue = {i: (now - self.costs[(bucket, self.shapes[i])].last_step) / self._retime_after(rates, best, i) for i in timed}
@@ -730,6 +742,8 @@ class AdaptiveBudget:
         if self.credit.get(bucket, 0.0) < extra:
             return None
         self._charge(bucket, rival, extra)
+        if overdue_retime:  # its next timed steps replace the window the drift has aged (`_time`)
+            self._retimed.add((bucket, self.shapes[rival]))
         return rival
 
     def _charge(self, bucket: int, rival: int, seconds: float) -> None:
