@@ -415,7 +415,7 @@ class ProbeCharge(NamedTuple):
     finishes first (a request of one output token: its step after the choice never comes) is not
     charged: traced at batch 1, T=0, eight such requests between rounds charged ~10 ms of forced probes
     that never ran, and with the credit negative no doubt could re-measure the trees, while off held for
-    ~80 steps where a tree of 8 ran 1.4x faster."""
+    ~80 steps where a fixed tree of 8 runs ~1.2x faster than off."""
 
     bucket: int
     shape: TreeShape
