@@ -13,17 +13,17 @@ associative and ties are real ties. Order ("key"), a deterministic total order:
 A parent precedes its children and a lower-ranked sibling precedes a higher-ranked one, so the top-
 `budget` set under this key is prefix-closed. Nodes through a -inf log-prob are never built.
 
-Batched algorithm (no per-request Python loop, no host sync). Depth by depth, keep a "layer": the
-`budget` best depth-d paths in key order. Every node of the final tree lies in its depth's layer, and
-every layer member extends a member of the previous layer. The candidate (parent of layer position i,
-token of rank j) is preceded in key order by all (i' <= i, j' <= j), so only the pairs with
-(i+1)(j+1) <= budget are scored. Keys pack (score, tie-breaker) into one unique int64, so a plain
-top-k gives each new layer in key order, and one last top-k over all layers picks the tree. Host
-tensors run the same steps in numpy (`_build_on_host`: numpy's per-op cost is a fraction of torch's on
-arrays of a few hundred entries), or, for at most HEAP_BUILD_NODES nodes in all, a lazy best-first
-search with a heap per request (`_build_by_heap`: batch 1 at 32 nodes, 50 us against numpy's 90);
-device tensors in torch (`_build_batched`). All give the same trees. One candidate per depth is the
-draft's chain, cut at the budget and the first -inf (`_chain_on_host`, `_chain_tree`).
+Two builders give the same trees (the property tests hold them equal, and equal to a brute-force
+enumeration):
+- `_build_by_heap`, the reference, for host tensors: a lazy best-first search with a heap per request,
+  the rule read directly. The engine runs its compiled transliteration, `host_tree.build_draft_trees_on_host`.
+- `_build_batched`, for device tensors: the same selection as whole-batch torch ops, no per-request
+  loop and no host sync. Depth by depth it keeps a "layer": the `budget` best depth-d paths in key
+  order. Every node of the final tree lies in its depth's layer, and every layer member extends a
+  member of the previous layer. The candidate (parent of layer position i, token of rank j) is preceded
+  in key order by all (i' <= i, j' <= j), so only the pairs with (i+1)(j+1) <= budget are scored. Keys
+  pack (score, tie-breaker) into one unique int64, so a plain top-k gives each new layer in key order,
+  and one last top-k over all layers picks the tree.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-import numpy as np
 import torch
 
 SCORE_BITS = 20
@@ -45,10 +44,6 @@ INVALID_SCORE = NEG_INF // 2
 """Path scores at or below this came through a -inf log-prob; such nodes are never built."""
 MAX_BUDGET = 2048
 """Largest budget whose packed sort keys fit in int64 (|score| <= 2^40, tie-breakers < 2^22)."""
-
-
-HEAP_BUILD_NODES = 128
-"""Host batches of at most this many nodes (requests x budget) are built by `_build_by_heap`."""
 
 
 @dataclass(frozen=True)
@@ -163,19 +158,14 @@ def build_draft_trees(
         return DraftTree(root.expand_as(zeros).clone(), zeros - 1, zeros, zeros.clone(), valid, valid.sum(1), max_depth)
 
     topk = min(topk, budget)
-    if topk == 1 and device.type == "cpu":
-        return _chain_on_host(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
-    if topk == 1:
-        return _chain_tree(root, top_logprobs[:, :, 0], top_token_ids[:, :, 0], budget)
-    if device.type == "cpu" and num_req * budget <= HEAP_BUILD_NODES:
-        return _build_by_heap(root, top_logprobs, top_token_ids, budget, topk)
     if device.type == "cpu":
-        return _build_on_host(root, top_logprobs, top_token_ids, budget, topk)
+        return _build_by_heap(root, top_logprobs, top_token_ids, budget, topk)
     return _build_batched(root, top_logprobs, top_token_ids, budget, topk)
 
 
 def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
-    """The builder in torch ops, for device tensors (one launch per op, no host sync)."""
+    """The builder for device tensors (kept because trees built on a device stay there: one launch per
+    op, no host sync; `benchmarks/gpu_step_check.py` times it). Must equal `_build_by_heap`."""
     num_req, max_depth, _ = top_logprobs.shape
     device = top_logprobs.device
     parent_pos, token_rank = _candidate_pairs(budget, topk, str(device))
@@ -226,67 +216,8 @@ def _build_batched(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     )
 
 
-def _fixed_point_on_host(top_logprobs: torch.Tensor) -> np.ndarray:
-    """`fixed_point_logprobs` in numpy, for host tensors."""
-    logprobs = top_logprobs.to(torch.float64).numpy()
-    usable = logprobs > -np.inf
-    fixed = np.round(np.where(usable, np.maximum(logprobs, MIN_LOGPROB), 0.0) * (1 << SCORE_BITS)).astype(np.int64)
-    fixed[~usable] = NEG_INF
-    return fixed
-
-
-def _build_on_host(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
-    """`_build_batched` step for step in numpy, for host tensors: the same keys and selections (a
-    descending argsort for each top-k; keys of built nodes are unique, so both pick the same nodes), at
-    numpy's per-op cost, a fraction of torch's on arrays this small."""
-    num_req, max_depth, _ = top_logprobs.shape
-    parent_pos, token_rank = (t.numpy() for t in _candidate_pairs(budget, topk, "cpu"))
-    num_pairs = parent_pos.size
-    tie_breaker, tie, parent_base, depth_flat, final_index = (t.numpy() for t in _layout(budget, topk, max_depth, "cpu"))
-    pair_keys = _fixed_point_on_host(top_logprobs[:, :, :topk])[:, :, token_rank] * num_pairs + tie_breaker  # [R, L, P]
-    floor_key = NEG_INF * num_pairs
-    rows = np.arange(num_req)[:, None]
-
-    scaled_score = np.full((num_req, budget), floor_key, dtype=np.int64)
-    scaled_score[:, 0] = 0
-    scores, choices = np.empty((max_depth, num_req, budget), dtype=np.int64), np.empty((max_depth, num_req, budget), dtype=np.int64)
-    for depth in range(max_depth):
-        key = np.maximum(scaled_score[:, parent_pos] + pair_keys[:, depth], floor_key)
-        choice = key.argsort(1)[:, : -budget - 1 : -1]
-        scaled_score = key[rows, choice] - tie_breaker[choice]
-        scores[depth], choices[depth] = scaled_score, choice
-    scores, choices = scores.transpose(1, 0, 2), choices.transpose(1, 0, 2)  # [R, L, budget]
-
-    node_space = max_depth * budget
-    keys = np.concatenate([np.full((num_req, 1), np.iinfo(np.int64).max), (scores // num_pairs * node_space + tie).reshape(num_req, -1)], 1)
-    order = keys.argsort(1)[:, : -budget - 2 : -1]
-    valid = keys[rows, order] >= (INVALID_SCORE + 1) * node_space
-
-    choice_rank = token_rank[choices]
-    parent_flat = np.concatenate([np.full((num_req, 1), -1), np.maximum(parent_pos[choices] + parent_base, 0).reshape(num_req, -1)], 1)
-    rank_flat = np.concatenate([np.zeros((num_req, 1), dtype=np.int64), choice_rank.reshape(num_req, -1)], 1)
-    roots = root.numpy()
-    tokens = top_token_ids[:, :, :topk].numpy()
-    token_flat = np.concatenate([roots, tokens[rows[:, :, None], np.arange(max_depth)[:, None], choice_rank].reshape(num_req, -1)], 1)
-
-    final_of_flat = np.full(keys.shape, -1, dtype=np.int64)
-    final_of_flat[rows, order] = final_index
-    parents = final_of_flat[rows, np.maximum(parent_flat[rows, order], 0)]
-    parents[:, 0] = -1
-    return DraftTree(
-        token_ids=torch.from_numpy(np.where(valid, token_flat[rows, order], roots).astype(np.int64)),
-        parents=torch.from_numpy(np.where(valid, parents, -1)),
-        depths=torch.from_numpy(np.where(valid, depth_flat[0, order], 0)),
-        ranks=torch.from_numpy(np.where(valid, rank_flat[rows, order], 0)),
-        valid=torch.from_numpy(valid),
-        num_nodes=torch.from_numpy(valid.sum(1)),
-        max_depth=max_depth,
-    )
-
-
 def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int, topk: int) -> DraftTree:
-    """The same trees by lazy best-first search, request by request, in Python: for a few small trees
-    (batch 1 on the host) a few dozen heap operations cost less than the batched builder's array ops.
+    """The reference builder: lazy best-first search, request by request, in Python.
 
     The heap holds each built node's next candidates: its first child (rank 0 one depth down) and its
     next sibling (same parent, next rank); a node's children and younger siblings never outrank it, so
@@ -302,7 +233,7 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
     depths = [[0] * width for _ in roots]
     ranks = [[0] * width for _ in roots]
     num_nodes = []
-    fixed = _fixed_point_on_host(top_logprobs[:, :, :topk])
+    fixed = fixed_point_logprobs(top_logprobs[:, :, :topk])
     for r, (scores, tokens) in enumerate(zip(fixed.tolist(), top_token_ids[:, :, :topk].tolist())):
         heap = [(-scores[0][0], 1, 0, 0, 0)] if scores[0][0] != NEG_INF else []  # (-score, depth, parent, rank, parent score)
         built = 1
@@ -315,63 +246,15 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
                 heapq.heappush(heap, (negative - scores[depth][0], depth + 1, built, 0, -negative))
             built += 1
         num_nodes.append(built)
-    fields = torch.from_numpy(np.array([token_ids, parents, depths, ranks], dtype=np.int64))  # one conversion
-    counts = np.array(num_nodes, dtype=np.int64)
+    fields = torch.tensor([token_ids, parents, depths, ranks], dtype=torch.long)  # one conversion
+    counts = torch.tensor(num_nodes, dtype=torch.long)
     return DraftTree(
         token_ids=fields[0],
         parents=fields[1],
         depths=fields[2],
         ranks=fields[3],
-        valid=torch.from_numpy(np.arange(width) < counts[:, None]),
-        num_nodes=torch.from_numpy(counts),
-        max_depth=max_depth,
-    )
-
-
-def _chain_tree(root: torch.Tensor, logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
-    """The best-first tree when every depth offers one candidate: the draft's chain, cut at the budget
-    and before the first -inf (what the general builder yields for K = 1, without its selections)."""
-    num_req, max_depth = logprobs.shape
-    device = logprobs.device
-    depth = min(budget, max_depth)
-    reachable = (logprobs[:, :depth] > float("-inf")).long().cummin(1).values.bool()
-    valid = torch.zeros((num_req, budget + 1), dtype=torch.bool, device=device)
-    valid[:, 0] = True
-    valid[:, 1 : depth + 1] = reachable
-    tokens = root.expand(num_req, budget + 1).clone()
-    tokens[:, 1 : depth + 1] = token_ids[:, :depth]
-    index = torch.arange(budget + 1, device=device).expand(num_req, budget + 1)
-    zeros = torch.zeros_like(index)
-    return DraftTree(
-        token_ids=torch.where(valid, tokens, root),
-        parents=torch.where(valid, index - 1, -1),
-        depths=torch.where(valid, index, 0),
-        ranks=zeros,
-        valid=valid,
-        num_nodes=valid.sum(1),
-        max_depth=max_depth,
-    )
-
-
-def _chain_on_host(root: torch.Tensor, logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
-    """`_chain_tree` in numpy, for host tensors: the same tree, dtypes included."""
-    num_req, max_depth = logprobs.shape
-    depth = min(budget, max_depth)
-    reachable = np.logical_and.accumulate(logprobs[:, :depth].numpy() > -np.inf, axis=1)
-    valid = np.zeros((num_req, budget + 1), dtype=bool)
-    valid[:, 0] = True
-    valid[:, 1 : depth + 1] = reachable
-    roots = root.numpy().astype(np.int64)
-    tokens = np.repeat(roots, budget + 1, axis=1)
-    tokens[:, 1 : depth + 1] = np.where(reachable, token_ids[:, :depth].numpy(), roots)
-    index = np.arange(budget + 1)
-    return DraftTree(
-        token_ids=torch.from_numpy(tokens),
-        parents=torch.from_numpy(np.where(valid, index - 1, -1)),
-        depths=torch.from_numpy(np.where(valid, index, 0)),
-        ranks=torch.from_numpy(np.zeros((num_req, budget + 1), dtype=np.int64)),
-        valid=torch.from_numpy(valid),
-        num_nodes=torch.from_numpy(valid.sum(1)),
+        valid=torch.arange(width) < counts.unsqueeze(1),
+        num_nodes=counts,
         max_depth=max_depth,
     )
 
@@ -380,17 +263,10 @@ def tree_attention_mask(tree: DraftTree) -> torch.Tensor:
     """[R, N, N] bool: mask[r, i, j] is True iff node j is node i or one of its ancestors.
 
     Together with the whole committed prefix this is what node i attends to in the verify pass.
-    Padded nodes see only themselves. Host trees: `_ancestor_mask_on_host`; device trees:
-    `_ancestor_mask_batched` (the same mask)."""
-    if tree.parents.device.type == "cpu":
-        return _ancestor_mask_on_host(tree)
-    return _ancestor_mask_batched(tree)
-
-
-def _ancestor_mask_batched(tree: DraftTree) -> torch.Tensor:
-    """The mask in torch ops, for device tensors: the reachability of M = I + (child -> parent edges);
+    Padded nodes see only themselves. Computed as the reachability of M = I + (child -> parent edges):
     M^(2^k) holds the paths of up to 2^k parent steps, so ceil(log2(max_depth)) squarings (batched
-    matrix products of 0/1 floats, exact: entries stay below N^2 << 2^24) reach every ancestor."""
+    matrix products of 0/1 floats, exact: entries stay below N^2 << 2^24) reach every ancestor. Host
+    and device tensors alike; the engine's host trees take `host_tree.tree_attention_mask_on_host`."""
     num_req, num_nodes = tree.parents.shape
     device = tree.parents.device
     has_parent = tree.parents >= 0
@@ -401,25 +277,3 @@ def _ancestor_mask_batched(tree: DraftTree) -> torch.Tensor:
         reach = torch.bmm(reach, reach).clamp_(max=1.0)
         steps *= 2
     return reach > 0
-
-
-def _ancestor_mask_on_host(tree: DraftTree) -> torch.Tensor:
-    """The mask in numpy by pointer doubling, for host tensors (about half the time of the torch ops
-    on trees of 8-32 nodes): row i starts as {i, parent(i)} and `up` at the parent (the root and padded
-    nodes point to themselves); each round ORs in the row of the node `up` points at and moves `up`
-    to that node's `up`, doubling the path nodes a row holds (2, 4, 8, ...), so ceil(log2(max_depth))
-    rounds hold every path of max_depth + 1 nodes."""
-    parents = tree.parents.numpy()
-    num_req, num_nodes = parents.shape
-    index = np.arange(num_nodes)
-    rows = np.arange(num_req)[:, None]
-    up = np.where(parents >= 0, parents, index)
-    mask = np.zeros((num_req, num_nodes, num_nodes), dtype=bool)
-    mask[:, index, index] = True
-    mask[rows, index, up] = True
-    span = 1
-    while span < tree.max_depth:
-        mask |= mask[rows, up]
-        up = up[rows, up]
-        span *= 2
-    return torch.from_numpy(mask)
