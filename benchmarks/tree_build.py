@@ -1,4 +1,7 @@
-"""Cost of the DDTree core per request: top-k, tree build, ancestor mask, acceptance walk, KV plan.
+"""Host cost per request of a step's tree work as the engine runs it: top-k, build, mask, walk, K/V moves.
+
+The engine's host path is the compiled `host_tree` kernels; the core's torch versions are references,
+or for device tensors (`gpu_step_check.py` times those on a GPU).
 
 Draft logits are realistic for a Qwen3 vocabulary (151,936 tokens): peaked, a few plausible tokens per
 depth and a long tail. Prints a table (medians over repeats); `--json PATH` also writes the numbers.
@@ -16,7 +19,13 @@ import time
 
 import torch
 
-from vllm_ddtree.core import accept_tree, build_draft_trees, kv_compaction_plan, tree_attention_mask
+from vllm_ddtree.vllm.host_tree import (
+    accept_tree_on_host,
+    build_draft_trees_on_host,
+    kv_moves_on_host,
+    tree_attention_mask_on_host,
+    warm_up,
+)
 
 VOCAB = 151_936
 
@@ -51,17 +60,17 @@ def measure(batch: int, budget: int, block_size: int, repeats: int, gen: torch.G
         return logprobs.topk(topk, dim=-1)
 
     values, indices = top()
-    tree = build_draft_trees(roots, values, indices, budget)
-    mask = tree_attention_mask(tree)
+    tree = build_draft_trees_on_host(roots, values, indices, budget)
     # The target agrees with the draft's rank-0 child where there is one: a deep walk.
     target = torch.where(tree.valid, tree.token_ids, 0)
     target = torch.roll(target, -1, dims=1)
+    acceptance = accept_tree_on_host(tree, target)
     times = {
         "topk": median_seconds(top, repeats),
-        "build": median_seconds(lambda: build_draft_trees(roots, values, indices, budget), repeats),
-        "mask": median_seconds(lambda: tree_attention_mask(tree), repeats),
-        "accept": median_seconds(lambda: accept_tree(tree, target, mask), repeats),
-        "kv_plan": median_seconds(lambda: kv_compaction_plan(accept_tree(tree, target, mask)), repeats),
+        "build": median_seconds(lambda: build_draft_trees_on_host(roots, values, indices, budget), repeats),
+        "mask": median_seconds(lambda: tree_attention_mask_on_host(tree), repeats),
+        "accept": median_seconds(lambda: accept_tree_on_host(tree, target), repeats),
+        "kv_moves": median_seconds(lambda: kv_moves_on_host(acceptance), repeats),
     }
     per_request_us = {k: v / batch * 1e6 for k, v in times.items()}
     per_request_us["build+mask"] = per_request_us["build"] + per_request_us["mask"]
@@ -77,9 +86,10 @@ def main() -> None:
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
+    warm_up()  # compiled (or loaded from numba's cache) before anything is timed
     print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"vocab {VOCAB}, block size {args.block_size}; microseconds per request (median of {args.repeats})")
-    header = f"{'batch':>5} {'budget':>6} {'topk':>9} {'build':>8} {'mask':>8} {'build+mask':>14} {'accept':>8} {'kv_plan':>8}"
+    header = f"{'batch':>5} {'budget':>6} {'topk':>9} {'build':>8} {'mask':>8} {'build+mask':>14} {'accept':>8} {'kv_moves':>8}"
     print(header)
     rows = []
     for batch in args.batches:
@@ -88,7 +98,7 @@ def main() -> None:
             us = row["us_per_request"]
             print(
                 f"{batch:>5} {budget:>6} {us['topk']:>9.1f} {us['build']:>8.1f} {us['mask']:>8.1f}"
-                f" {us['build+mask']:>14.1f} {us['accept']:>8.1f} {us['kv_plan']:>8.1f}"
+                f" {us['build+mask']:>14.1f} {us['accept']:>8.1f} {us['kv_moves']:>8.1f}"
             )
             rows.append(row)
     if args.json:
