@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 CHUNK_STATE_BYTES = 1 << 20
 """Nodes are updated in chunks of about this many bytes of float32 state, which stay in cache across the
-update's passes (one node of a 32-head x 128 x 128 layer, 2 MiB, is its own chunk: measured on a 2-core
-EPYC, chunks of 4 such nodes ran 2-3x slower per node than chunks of 1; `benchmarks/gdn_tree_scan.py`)."""
+update's passes (one node of a 32-head x 128 x 128 layer, 2 MiB, is its own chunk: chunks of several
+such nodes fall out of cache and cost more per node; `benchmarks/gdn_tree_scan.py` times the sizes)."""
 
 
 def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -144,17 +144,17 @@ def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torc
 
 
 _FEW_KEYED_DRAWS = 32
-"""Up to this many keyed host draws go through `splitmix_uniform` one by one (~1 us each), more through
-`keyed_uniforms`' array ops (~3-5 us each per call inside an engine step, whatever the size)."""
+"""Up to this many keyed host draws go through `splitmix_uniform` one by one, more through
+`keyed_uniforms`' array ops, whose fixed cost per call (whatever the size) exceeds a few scalar draws."""
 
 
 _BLOCK = 64
 
 
 _TWO_LEVEL_ARGMAX_MIN_ENTRIES = 98_304
-"""bfloat16 host logits (numpy has no such dtype) with more entries than this take the two-level argmax
-(measured on CPU, one thread: the row maxima's indices cost ~3 us plus ~0.45 ns per entry, the two
-levels ~25 us plus ~0.2 ns per entry; crossover near 100k)."""
+"""bfloat16 host logits (numpy has no such dtype) with more entries than this take the two-level argmax:
+it costs more per call than `max(-1).indices` but less per entry; this is about where they cross on a
+CPU."""
 
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
@@ -162,9 +162,8 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 def argmax_first(logits: torch.Tensor) -> torch.Tensor:
     """[M] index of the first maximal entry of each row of logits [M, V], exactly `logits.argmax(-1)`
     (NaN counts as maximal, as there; int64). Host logits of a dtype numpy has go through numpy's
-    vectorised argmax (the same rule: first maximum, first NaN; on CPU, one thread: 4 against 33 us for
-    torch's `max(-1).indices` at 9 x 4097, 157 against 2237 us at 16 x 152k; inside a batch-1 engine
-    step, right after the forward, 72 against 83 us at 9 x 4097: the first touch dominates); bfloat16
+    vectorised argmax (the same rule: first maximum, first NaN; several times cheaper than torch's
+    `max(-1).indices` on the host); bfloat16
     host logits through `_argmax_two_level` when large, else `max(-1).indices` (the first maximal entry
     too, NaN included); device logits through torch's argmax itself."""
     if logits.device.type != "cpu":
@@ -196,7 +195,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """[M] the token i of each row of probs [M, V] (>= 0, not normalised) with
     cdf(i-1) <= u * cdf(V-1) < cdf(i). Block masses are summed in the probs' dtype (float32: relative
     error below 64 * 2**-24 ~ 4e-6 per block, far under what any sample size can detect; a float64 copy
-    of the probs would cost 40x more), their cumulative sums and the chosen block's prefix sums are
+    of the probs would cost many times more), their cumulative sums and the chosen block's prefix sums are
     float64; a token of zero mass is never returned. A row without positive mass (NaN: the softmax of
     logits that are all -inf, or hold +inf or NaN) gives -1.
 

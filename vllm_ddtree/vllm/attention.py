@@ -74,7 +74,7 @@ class TreeAttention:
     valid_rows [M]: their batch rows (query_rows[valid_nodes]);
     first_row: query_rows[0] when query_rows is first_row, first_row + 1, ... (read as a slice), else None;
     all_valid: no padded nodes (M = T * N).
-    (Rows move by index_select / index_copy_: advanced indexing is ~10x slower on CPU.)
+    (Rows move by index_select / index_copy_: advanced indexing is many times slower on CPU.)
     """
 
     rows: TreeRows

@@ -4,9 +4,9 @@ What it computes is `attention.tree_attention`'s: node i of branching request t 
 request's committed prefix (positions 0 .. start - 1) and to the nodes j its row of the ancestor mask
 admits (itself included), whose K/V sit at positions start + j; all of them are read in place from the
 paged cache through the request's block table. Why compiled: at batch 1 the torch formulation is some
-forty small tensor operations per layer, each costing its dispatch (measured on the embedded pair's
-shapes, `benchmarks/tree_attention_cpu.py`: 185 us for a tree of 8 over a 64-token prefix, against 24 us
-for vLLM's kernel on as many chain rows; this kernel 29 us).
+forty small tensor operations per layer, each costing its dispatch, which puts it several times above
+vLLM's own kernel on as many chain rows; compiled, it costs about what vLLM's does
+(`benchmarks/tree_attention_cpu.py` times the three).
 
 How: per (request, KV head), the group's query rows (scaled) are copied once; then block by block of
 the window: logits = q k^T and p v as BLAS products (numba's np.dot, scipy's BLAS: keys are dim-major

@@ -4,8 +4,7 @@ A step without speculation keeps its rows for the draft: the target's hidden sta
 outputs, concatenated feature-wise), their positions and KV slots. They are appended to buffers
 allocated once and reused after every store pass, one copy per part and no allocation per step. On
 the host the copies go through numpy views: at batch 1 a step appends one row, and a torch op per
-copy (slice, cat, clone) costs several times a numpy assignment once a forward has evicted the caches
-(measured in the engine, batch 1: 39 us per step with torch's cat and clones).
+copy (slice, cat, clone) costs several times a numpy assignment once a forward has evicted the caches.
 """
 
 from __future__ import annotations
@@ -32,8 +31,8 @@ class DeferredContext:
         """numpy views of the three buffers when they live on the host."""
         self._index_views: dict[str, tuple[torch.Tensor, int, np.ndarray]] = {}
         """The last positions and slots tensors (kept, so their memory stays the views'), their data
-        pointers and numpy views: the runner hands the same persistent buffers every step, and a view costs ~7 us
-        once a forward has evicted the caches."""
+        pointers and numpy views: the runner hands the same persistent buffers every step, so their views
+        are made once (making one costs microseconds once a forward has evicted the caches)."""
 
     @staticmethod
     def row_bytes(parts: Sequence[torch.Tensor]) -> int:

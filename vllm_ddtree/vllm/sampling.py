@@ -56,8 +56,7 @@ def tree_sampling_params(
 
 def plain_sampler_serves(metadata: Any, has_structured_requests: bool) -> bool:
     """Whether vLLM's sampler may draw a step without drafts for the batch of `metadata` (vLLM's
-    sampling metadata); on a CPU it takes a third of this rule's time (one fused draw, no per-node
-    gathers). It may when every request is greedy, or sampled with temperature and top_p alone, and
+    sampling metadata); on a CPU it is the cheaper of the two (one fused draw, no per-node gathers). It may when every request is greedy, or sampled with temperature and top_p alone, and
     none is:
     - seeded: this rule keys its draws by (seed, position), so its tokens do not depend on which steps
       the policy ran without drafts; vLLM's generator stream would;
@@ -95,7 +94,7 @@ def _rows(values: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
 
 
 def gather_node_logits(logits: torch.Tensor, node_logit_rows: torch.Tensor) -> torch.Tensor:
-    """[T, N, V] float32 copy of every node's logits row (index_select, not logits[rows]: 6x slower on CPU)."""
+    """[T, N, V] float32 copy of every node's logits row (index_select: logits[rows] is several times slower on CPU)."""
     return logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1).to(torch.float32)
 
 
