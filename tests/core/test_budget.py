@@ -101,7 +101,7 @@ def test_climbs_to_the_fastest_shape_without_trying_far_ones():
     shapes = candidate_shapes(64, 7)  # off, 4, chain of 7, 8, 16, 32, 64
     peak = shapes.index(TreeShape(16))
     rates = {s: 100.0 - 10 * abs(i - peak) for i, s in enumerate(shapes)}
-    policy = AdaptiveBudget(shapes, hold=3, probe_hold=3, warmup=1, explore=0.0, reprobe=0.0, batched_discount=0.0)
+    policy = AdaptiveBudget(shapes, hold=3, probe_hold=3, explore=0.0, reprobe=0.0, batched_discount=0.0)
     chosen = simulate(policy, rates, 60)
     assert chosen[0] == TreeShape(8)  # start: the first tree of >= 8 nodes
     assert chosen[3:6] == [TreeShape(0, 1)] * 3  # then off, the reference
@@ -197,7 +197,7 @@ def test_counterfactual_tokens_need_only_timing_to_compare():
     """Tokens of nested trees come with every step of the big one; a shape is ranked once it is timed
     (its first step in a bucket is not timed)."""
     shapes = candidate_shapes(16, 7)
-    policy = AdaptiveBudget(shapes, explore=0.0, reprobe=0.0, warmup=1)
+    policy = AdaptiveBudget(shapes, explore=0.0, reprobe=0.0)
     tokens = {TreeShape(0, 1): 1.0, TreeShape(4): 2.0, TreeShape(8): 2.5, TreeShape(16): 2.6}
     policy.observe(1, TreeShape(16), 0.5, tokens)  # first step: one-time costs, not timed
     assert policy.tokens_per_second(0, TreeShape(16)) is None
@@ -342,7 +342,7 @@ def test_step_clock_reports_contiguous_decode_steps_only():
     """A step is reported at the next step's start with the time between the starts, unless the engine
     sat idle in between, it committed nothing, or it prefilled prompt tokens."""
     policy = RecordingPolicy()
-    clock = StepClock(policy, idle_factor=2.0, idle_slack=0.01)
+    clock = StepClock(policy, idle_slack=0.01)
     shape = TreeShape(4)
     clock.step_started(0.0, 2, shape, decode_only=True, context_tokens=700.0)
     clock.step_sampled(6, {OFF: 0, shape: 4})
@@ -833,7 +833,7 @@ def test_steps_drafting_the_other_kind_of_step_count_tokens_but_not_time():
     for seconds in (0.01, None, 0.02):  # first step in the bucket (untimed), a switch, a timed step
         adaptive.observe(2, chain, seconds, {chain: 6})
     assert adaptive.costs[(batch_bucket(2), chain)].values == deque([0.02])
-    assert adaptive.tokens[chain].steps == 3
+    assert adaptive.spread[chain].steps == 3
 
 
 def test_a_tree_held_beside_the_chain_still_re_times_the_next_tree():
