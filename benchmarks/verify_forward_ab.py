@@ -65,7 +65,7 @@ def timed_runner(runner: Any, times: ForwardTimes) -> None:
         result = forward(*args, **kwargs)
         seconds = time.perf_counter() - start
         step = runner.step
-        if step is not None and int(step.tree.num_nodes.sum()) == times.rows and bool(step.drafted.all()):
+        if step is not None and int(step.tree.num_nodes.sum()) == times.rows and bool((step.num_drafts > 0).all()):
             times.steps.append((step.attention_rows() is not None, seconds))
         return result
 

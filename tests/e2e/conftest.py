@@ -66,7 +66,7 @@ def verified_requests(step: Any) -> VerifiedRequests | None:
 
     if step is None:
         return None
-    keep = step.drafted
+    keep = step.num_drafts > 0  # the requests that verified drafts
     if not bool(keep.any()):
         return None
     names = ("token_ids", "parents", "depths", "ranks", "valid", "num_nodes")

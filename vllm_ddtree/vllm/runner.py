@@ -37,7 +37,7 @@ from typing_extensions import override
 from vllm.config import get_layers_from_vllm_config
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
-from vllm.v1.outputs import DraftTokenIds, LogprobsTensors, SamplerOutput
+from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
@@ -54,12 +54,11 @@ from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm import host_tree
+from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
 from vllm_ddtree.vllm.proposer import DDTreeProposer
 from vllm_ddtree.vllm.sampling import (
-    emitted_logprob_values,
-    gather_emitted_logprobs,
     gather_node_logits,
     plain_sampler_serves,
     sample_nodes,
@@ -374,7 +373,7 @@ class DDTreeRunnerMixin:
             else:
                 processed = self._sample_nodes(logits, step)
                 output = self._walk(step)
-            logprobs = self._emitted_logprobs(logits, processed, step, output)
+            logprobs = emitted_logprobs(self.sampler, self.input_batch.sampling_metadata, logits, processed, step, output)
         if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
             with self.stage_times.stage(KV_COMPACTION):
                 self._compact_target_kv(step)
@@ -431,43 +430,6 @@ class DDTreeRunnerMixin:
         output[:, : accepted_rows.shape[1]] = accepted_rows
         return output
 
-    def _emitted_logprobs(
-        self, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
-    ) -> LogprobsTensors | None:
-        """Logprobs of every emitted token (None unless a request asked for them: top n, the whole
-        vocabulary or `logprob_token_ids`), as plain decoding reports them: token k of a request's
-        output was drawn at the k-th node of its accepted path, from that node's logits row (raw
-        modes), or its row after the history-dependent options (`processed` [R, N, V], processed
-        modes), gathered by vLLM's sampler (`gather_emitted_logprobs`). Rows follow vLLM's layout for
-        output [R, W]: row r * W + k, rows of unused output slots zero (vLLM drops them with the
-        slots). output and the acceptance are host tensors; the logprobs are computed and returned on
-        the logits' device."""
-        metadata = self.input_batch.sampling_metadata
-        token_ids_by_request = metadata.logprob_token_ids or {}
-        if metadata.max_num_logprobs is None and not token_ids_by_request:
-            return None
-        assert step.acceptance is not None
-        device = logits.device
-        emitted = output >= 0
-        requests, columns = emitted.nonzero(as_tuple=True)
-        nodes = step.acceptance.accepted_nodes[requests, columns]
-        mode = self.sampler.logprobs_mode
-        if processed is not None and mode.startswith("processed"):
-            source, rows = processed.flatten(0, 1), requests * step.tree.nodes_per_request + nodes
-        else:
-            source, rows = logits, step.node_logit_rows()[requests, nodes]
-        params = tree_sampling_params(metadata, step.tree.num_requests, device, top_k_one_is_greedy=False)
-        values = emitted_logprob_values(source, rows.to(device), requests.to(device), params, mode)
-        gathered = gather_emitted_logprobs(self.sampler, values, output[emitted].long().to(device), requests,
-                                           metadata.max_num_logprobs, token_ids_by_request)
-        slots = emitted.flatten().nonzero().squeeze(1).to(device)
-        width = gathered.logprob_token_ids.shape[1]
-        token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)
-        values_out = torch.zeros(emitted.numel(), width, dtype=gathered.logprobs.dtype, device=device)
-        ranks = torch.zeros(emitted.numel(), dtype=gathered.selected_token_ranks.dtype, device=device)
-        token_ids[slots], values_out[slots], ranks[slots] = gathered.logprob_token_ids, gathered.logprobs, gathered.selected_token_ranks
-        return LogprobsTensors(token_ids, values_out, ranks)
-
     def _clock_sampled(self, step: TreeStep | None, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
         assert self.clock is not None
@@ -486,8 +448,8 @@ class DDTreeRunnerMixin:
 
     def _compact_target_kv(self, step: TreeStep) -> None:
         """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are
-        rewritten from the context on the next draft pass); on a device, fill `step.plan`. A batch of
-        chains moves nothing: each accepted path is its window's first rows, where its K/V already is."""
+        rewritten from the context on the next draft pass). A batch of chains moves nothing: each
+        accepted path is its window's first rows, where its K/V already is."""
         assert step.acceptance is not None and step.node_slots is not None
         if self.gdn_groups:  # hybrid targets: the GDN layers' states and conv windows too
             compact_gdn_states(self, self.gdn_groups, step.acceptance, self.speculative_config.num_speculative_tokens)
@@ -502,7 +464,7 @@ class DDTreeRunnerMixin:
             return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
-        plan = step.plan = kv_compaction_plan(step.acceptance)
+        plan = kv_compaction_plan(step.acceptance)
         src = slots.gather(1, plan.src_offsets.to(slots.device)).flatten()
         self._move_kv_rows(src, slots.gather(1, plan.dst_offsets.to(slots.device)).flatten())
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 
-from vllm_ddtree.core import TreeSamplingParams, process_logits, sample_tree_tokens
+from vllm_ddtree.core import TreeSamplingParams, sample_tree_tokens
 from vllm_ddtree.vllm.node_logits import needs_node_processing
 
 
@@ -115,74 +114,3 @@ def sample_nodes(
     if processed is not None:
         return sample_tree_tokens(processed, params, draw_positions)
     return sample_tree_tokens(gather_node_logits(logits, node_logit_rows), params, draw_positions, inplace=True)
-
-
-def emitted_logprob_values(
-    logits: torch.Tensor,
-    emitted_rows: torch.Tensor,
-    emitted_requests: torch.Tensor,
-    params: TreeSamplingParams,
-    logprobs_mode: str,
-) -> torch.Tensor:
-    """[M, V] the distribution vLLM's sampler reports logprobs from, for M emitted tokens, exactly as
-    plain decoding computes it at the same positions: the step's logits rows emitted_rows [M] (each
-    token's node row) of the requests emitted_requests [M] (batch indices into `params`).
-
-    Modes (vLLM's `logprobs_mode`): raw_logprobs / raw_logits: the model's logits, log-softmaxed or
-    not; processed_logprobs / processed_logits: after temperature, top-k and top-p (greedy requests:
-    the raw logits, as in vLLM's greedy path)."""
-    rows = logits.index_select(0, emitted_rows).to(torch.float32)
-    if logprobs_mode.startswith("processed") and not bool(params.is_greedy.all()):
-        per_token = TreeSamplingParams(
-            temperature=params.temperature[emitted_requests],
-            top_k=None if params.top_k is None else params.top_k[emitted_requests],
-            top_p=None if params.top_p is None else params.top_p[emitted_requests],
-            min_p=None if params.min_p is None else params.min_p[emitted_requests],
-        )
-        processed = process_logits(rows.unsqueeze(1), per_token).squeeze(1)
-        rows = torch.where(per_token.is_greedy.unsqueeze(1), rows, processed)
-    return rows.log_softmax(dim=-1) if logprobs_mode.endswith("logprobs") else rows
-
-
-def gather_emitted_logprobs(
-    sampler: Any,
-    values: torch.Tensor,
-    token_ids: torch.Tensor,
-    requests: torch.Tensor,
-    num_logprobs: int | None,
-    token_ids_by_request: dict[int, list[int]],
-) -> LogprobsTensors:
-    """vLLM's logprob rows for M emitted tokens, gathered by vLLM's own sampler from values [M, V]
-    (`emitted_logprob_values`); token_ids [M] int64: the emitted tokens; requests [M] (host): their
-    batch indices. num_logprobs: the batch's top n (vLLM's `max_num_logprobs`: the vocabulary size for
-    logprobs=-1; None: no request asked for top logprobs); token_ids_by_request: the token ids the
-    requests asking for `logprob_token_ids` want scored, by batch index.
-
-    A row of a request in token_ids_by_request is `Sampler.gather_specific_token_logprobs`' (the token,
-    then those ids, -inf padded), any other row `Sampler.gather_logprobs`' (the token, then the top n);
-    both padded to the wider of the two. Plain decoding's sampler gives every row the former as soon as
-    one request of the batch asks for ids (a top-n request beside it then gets no top n); here every
-    request gets what it asked for, the same rows whenever a batch does not mix the two."""
-    top = None if num_logprobs is None else sampler.gather_logprobs(values, num_logprobs, token_ids)
-    scored = {row: token_ids_by_request[r] for row, r in enumerate(requests.tolist()) if r in token_ids_by_request}
-    if not scored:
-        assert top is not None, "no request asked for logprobs"
-        return top
-    specific = sampler.gather_specific_token_logprobs(values, scored, token_ids)
-    if top is None:
-        return specific
-    width = max(top.logprobs.shape[1], specific.logprobs.shape[1])
-    wants_ids = torch.zeros(values.shape[0], 1, dtype=torch.bool, device=values.device)
-    wants_ids[list(scored)] = True
-
-    def padded(tensors: LogprobsTensors) -> tuple[torch.Tensor, torch.Tensor]:
-        pad = width - tensors.logprobs.shape[1]
-        ids = torch.nn.functional.pad(tensors.logprob_token_ids.to(top.logprob_token_ids.dtype), (0, pad))
-        return ids, torch.nn.functional.pad(tensors.logprobs, (0, pad), value=float("-inf"))
-
-    (top_ids, top_values), (specific_ids, specific_values) = padded(top), padded(specific)
-    return LogprobsTensors(
-        torch.where(wants_ids, specific_ids, top_ids),
-        torch.where(wants_ids, specific_values, top_values),
-        top.selected_token_ranks,
-    )

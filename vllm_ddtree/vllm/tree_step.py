@@ -8,8 +8,8 @@ Lifecycle (the runner owns at most one `TreeStep`, `DDTreeRunnerMixin.step`):
 2. `_build_attention_metadata`: the platform's attention reads `attention_rows()` for the masks of
    the branching trees.
 3. `_sample`: `target_token_ids` (one token per node, by the core's sampling rule) and `acceptance`
-   (the walk) are filled, and the accepted nodes' K/V move (`kv_moves`; on a device every entry of
-   `plan`); the output rows are `acceptance.output_token_ids`.
+   (the walk) are filled, and the accepted nodes' K/V move (`kv_moves`; on a device every entry of the
+   core's `kv_compaction_plan`); the output rows are `acceptance.output_token_ids`.
 4. `propose_draft_token_ids`: the drafter's context is put in path order (`kv_moves`); the drafter's new
    trees become the next step's `Proposals`.
 The step is replaced by the next step's `build` (tests and benchmarks read it in between).
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_ddtree.core import DraftTree, KVCompactionPlan, TreeAcceptance
+from vllm_ddtree.core import DraftTree, TreeAcceptance
 from vllm_ddtree.vllm.host_tree import VerifyLayout, kv_moves_on_host, tree_attention_mask_on_host, verify_layout
 
 
@@ -168,8 +168,7 @@ class TreeStep:
       alone, `roots_alone`).
     Filled by the runner:
       node_slots [R, N]: KV slot of every node's row (`_prepare_inputs`; steps with drafts only);
-      target_token_ids [R, N], acceptance: `_sample`; plan: `_sample`, on a platform whose KV cache is
-      on a device (a host cache moves `kv_moves()`), None when every tree is a chain (no K/V moves).
+      target_token_ids [R, N], acceptance: `_sample`.
     """
 
     root_rows: torch.Tensor
@@ -181,7 +180,6 @@ class TreeStep:
     node_slots: torch.Tensor | None = None
     target_token_ids: torch.Tensor | None = None
     acceptance: TreeAcceptance | None = None
-    plan: KVCompactionPlan | None = None
 
     @classmethod
     def build(
@@ -286,11 +284,6 @@ class TreeStep:
     @property
     def has_drafts(self) -> bool:
         return self.layout is not None
-
-    @property
-    def drafted(self) -> torch.Tensor:
-        """[R] bool: the request verifies drafts this step."""
-        return self.num_drafts > 0
 
     def node_rows(self) -> torch.Tensor:
         """[R, N] batch row of every node (padded nodes: the root's row). Computed once per step."""
