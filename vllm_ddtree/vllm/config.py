@@ -12,8 +12,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
 - `ddtree_adaptive` (optional, default true): each step the tree shape (off, the chain, or a tree of
-  4, 8, ... B nodes) with the best measured throughput at the current batch size is used
-  (`vllm_ddtree.core.budget`), down to plain decoding steps (the draft's block pass does not run) when
+  4, 8, ... B nodes) with the best measured throughput at the current batch size and context length
+  is used (`vllm_ddtree.core.budget`), down to plain decoding steps (the draft's block pass does not run) when
   speculation does not pay. `false` pins every step to a tree of B nodes. Outputs do not change
   (greedy: identical; seeded: the same sample, see `core.sampling`).
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
@@ -27,20 +27,15 @@ decoding's do: the draft's context K/V there is complete, see `rewrite_engine_ar
 for the platform and async scheduling off; on CUDA GPUs also the V1 model runner
 (`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs the
 tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
-Refused with a message: platforms other than CPU and CUDA, another GPU attention backend, the V2 model runner,
-async scheduling, another worker_cls, a quantized KV cache, pipeline parallelism > 1 (vLLM's DFlash
-itself fails under it on the V1 runner), Ray executors (vLLM's CPU platform refuses Ray), a budget
-outside 1..MAX_BUDGET, a draft that is not a DFlash checkpoint; once vLLM has built its configs,
-`check_engine_config` refuses drafts that do not fit the target (vocabulary, hidden size,
-target_layer_ids), hybrid targets other than Gated DeltaNet ones (GDN_HYBRID_ARCHITECTURES) and GDN
-hybrids off CPU, attention-free and M-RoPE targets, data parallelism > 1 for MoE targets, a Ray backend
-vLLM chose itself, and a V2 model runner vLLM chose. A GDN hybrid target runs with prefix caching forced
-off (logged; `vllm/gdn.py` verifies its recurrent layers as trees). Tensor parallelism is supported (every
-rank samples from the same all-gathered logits and the sampled tokens are broadcast from rank 0, so all
-ranks accept the same path); so is data parallelism for dense targets (vLLM runs each DP rank of a
-dense model as an independent engine core, with its own runner and adaptive budget). The tree sampling rule is
-`vllm_ddtree.core.sampling`; its adapter to vLLM's per-request sampling state is
-`vllm_ddtree.vllm.sampling`.
+What it and `check_engine_config` refuse, each with a message naming the problem and the fix, is
+listed once, in `vllm_ddtree.vllm.support.REFUSALS` (which the README renders).
+
+A GDN hybrid target runs with prefix caching forced off (logged; `vllm/gdn.py` verifies its recurrent
+layers as trees). Tensor parallelism is supported (every rank samples from the same all-gathered
+logits and the sampled tokens are broadcast from rank 0, so all ranks accept the same path); so is data
+parallelism for dense targets (vLLM runs each DP rank of a dense model as an independent engine core,
+with its own runner and adaptive budget). The tree sampling rule is `vllm_ddtree.core.sampling`; its
+adapter to vLLM's per-request sampling state is `vllm_ddtree.vllm.sampling`.
 """
 
 from __future__ import annotations
