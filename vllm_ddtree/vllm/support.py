@@ -71,9 +71,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("data parallelism (`data_parallel_size` > 1) for mixture-of-experts targets", "start",
             "`data_parallel_size` 1, or one independent server per replica (dense targets are served under data parallelism)"),
     Refusal("`num_speculative_tokens` outside 1..2048, `ddtree_topk` below 1, a `ddtree_adaptive` that is not a boolean",
-            "start", "values in range (README, Configuration)"),
+            "start", "values in the ranges the configuration keys document"),
     Refusal("no `model`, a `speculative_config` key method `ddtree` does not know, or a key given both there and "
-            "as a `--spec-*` flag", "start", "the keys of README, Configuration (method `dflash` for other options)"),
+            "as a `--spec-*` flag", "start", "the documented configuration keys (method `dflash` for other options)"),
     Refusal("`additional_config['ddtree']` set by the user", "start", "remove it: the plugin writes it"),
     Refusal("a draft that is not a DFlash checkpoint (`DFlashDraftModel` with a `dflash_config` naming "
             "`target_layer_ids`, block_size >= 2) or that has a reduced vocabulary", "start", _MATCHING_DRAFT),
