@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.e2e.paged_rows import row_index
+from tests.adapter.paged_rows import row_index
 from vllm_ddtree.core import DraftTree, tree_attention_mask
 from vllm_ddtree.vllm.tree_step import TreeRows
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.e2e.paged_rows import row_index
+from tests.adapter.paged_rows import row_index
 
 
 def read_rows(kv_cache: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
