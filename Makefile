@@ -36,6 +36,8 @@ bench: install
 bench-quick: install
 	$(PY) benchmarks/bench.py --quick
 
+widen-pair: install ; $(PY) -m vllm_ddtree.demo.widen_pair --size $(or $(SIZE),0.6b) $(ARGS)
+
 # On a GPU machine with its own python3, torch and triton (no vLLM, no venv): <= 8 min on one H200.
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py
