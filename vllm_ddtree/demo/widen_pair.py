@@ -19,7 +19,7 @@ Same function, exactly in real arithmetic (float32 differs by rounding only: mor
   eps' = eps H/H' and weight' = weight sqrt(H/H') give the original output (`rms_norm_rescale`).
 - Qwen3 has ONE `rms_norm_eps` for every norm, also the per-head q_norm/k_norm over head_dim (which does
   not change). q_norm(g q) with eps' equals q_norm(q) with eps iff g^2 = eps'/eps = H/H', so q_proj and
-  k_proj are scaled by sqrt(H/H') (`QK_GAIN`); q_norm/k_norm weights are untouched.
+  k_proj are scaled by sqrt(H/H') (`qk_gain`); q_norm/k_norm weights are untouched.
 - Attention heads: head_dim stays the source's (RoPE and the softmax scale 1/sqrt(head_dim) depend on
   it) and so does the q/kv ratio g. Extra heads are appended: under GQA q head j reads kv head j // g,
   so the original q heads 0..nh-1 still read kv heads 0..nkv-1 and the extra q heads read only extra kv
@@ -98,12 +98,15 @@ class Dims:
 
 def rms_norm_rescale(weight: torch.Tensor, eps: float, new_hidden: int) -> tuple[torch.Tensor, float]:
     """(weight', eps') of an RMSNorm over `new_hidden` coordinates whose extra ones are zero, giving the
-    original norm's output on the original coordinates (derivation in the module docstring). weight' is
-    zero on the extra coordinates."""
-    hidden = weight.numel()
+    original norm's output on the original coordinates (derivation in the module docstring)."""
+    return norm_weight(weight, new_hidden), eps * weight.numel() / new_hidden
+
+
+def norm_weight(weight: torch.Tensor, new_hidden: int) -> torch.Tensor:
+    """weight sqrt(H/H') on the original coordinates, zero on the extra ones (whose inputs are zero)."""
     out = torch.zeros(new_hidden, dtype=weight.dtype)
-    out[:hidden] = weight * math.sqrt(hidden / new_hidden)
-    return out, eps * hidden / new_hidden
+    out[: weight.numel()] = weight * math.sqrt(weight.numel() / new_hidden)
+    return out
 
 
 def qk_gain(hidden: int, new_hidden: int) -> float:
@@ -150,7 +153,7 @@ def widen_layer(w: dict[str, torch.Tensor], src: Dims, dst: Dims) -> dict[str, t
         "mlp.down_proj.weight": pad(w["mlp.down_proj.weight"], (H, dst.intermediate)),
     }
     for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-        out[name] = rms_norm_rescale(w[name], 0.0, H)[0]
+        out[name] = norm_weight(w[name], H)
     return out
 
 
@@ -197,7 +200,7 @@ def widen_target(sd: dict[str, torch.Tensor], cfg: dict, shape: Shape) -> tuple[
         yield {
             "model.embed_tokens.weight": pad(sd["model.embed_tokens.weight"], (V, dst.hidden)),
             "lm_head.weight": pad(sd["lm_head.weight"], (V, dst.hidden)),
-            "model.norm.weight": rms_norm_rescale(sd["model.norm.weight"], 0.0, dst.hidden)[0],
+            "model.norm.weight": norm_weight(sd["model.norm.weight"], dst.hidden),
         }
         yield from widened_layers(sd, "model.", src, dst)
 
@@ -221,8 +224,8 @@ def widen_draft(sd: dict[str, torch.Tensor], cfg: dict, shape: Shape, target_cfg
         fc[:H, j * Hn : j * Hn + H] = sd["fc.weight"][:, j * H : (j + 1) * H]
     out = {
         "fc.weight": fc,
-        "hidden_norm.weight": rms_norm_rescale(sd["hidden_norm.weight"], 0.0, Hn)[0],
-        "norm.weight": rms_norm_rescale(sd["norm.weight"], 0.0, Hn)[0],
+        "hidden_norm.weight": norm_weight(sd["hidden_norm.weight"], Hn),
+        "norm.weight": norm_weight(sd["norm.weight"], Hn),
     }
     for layer in widened_layers(sd, "", src, dst):
         out.update(layer)
@@ -238,6 +241,7 @@ def widened_config(cfg: dict, dst: Dims) -> dict:
     new.update(
         hidden_size=dst.hidden, num_attention_heads=dst.heads, num_key_value_heads=dst.kv_heads,
         intermediate_size=dst.intermediate, num_hidden_layers=dst.layers,
+        # one eps for every norm (see qk_gain for the per-head ones)
         rms_norm_eps=cfg["rms_norm_eps"] * cfg["hidden_size"] / dst.hidden,
     )
     if "layer_types" in cfg:
