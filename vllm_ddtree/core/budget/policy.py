@@ -118,11 +118,13 @@ class AdaptiveBudget:
     """Steps the best shape is held once chosen."""
     probe_hold: int = 2
     """Steps a shape tried for timing only is held: a bucket's short-lived batch sizes (the tail of a
-    batch whose requests finish) must not spend their steps probing. At least two (`StepClock`)."""
+    batch whose requests finish) must not spend their steps probing. Fed by `StepClock`, at least two:
+    a shape held one step between steps of the other kind is never timed."""
     explore: float = 0.02
     """Probability per choice of probing a random rival."""
     margin: float = 0.03
-    """What a rival's rate must beat the held best's by, per step of the best one of its steps costs."""
+    """Relative margin a rival's rate must beat the held best's by, times how many of the best's steps
+    one of its steps costs (`_cost`)."""
     seconds_window: int = 9
     """Timed steps a shape's cost is the median of (`RecentMedian`)."""
     tokens_decay: float = 0.97
