@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in the test process (~3 s start)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in the test process: starts faster, runner readable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
 # An in-process CPU engine leaves vLLM's OpenMP kernels at one thread per core (its CPU worker then
-# disables torch.set_num_threads). On 2 shared cores their spin-waits cost ~6 ms per kernel call, a
-# 10x slowdown of the whole suite; one thread, set before the engine exists, avoids it.
+# disables torch.set_num_threads). On a few shared cores their spin-waits slow every kernel call, and
+# the whole suite with them; one thread, set before the engine exists, avoids it.
 torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 import importlib.util

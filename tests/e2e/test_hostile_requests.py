@@ -16,7 +16,7 @@ settings that computes the references (`plain`). Each probe (`_probes`) is one r
   overlapping / single-token, min_tokens = max_tokens, max_tokens 1 and 1e9, stop strings with
   logprobs and with a grammar, penalties at their limits and beyond (+inf logits), logprobs at vLLM's
   max with prompt_logprobs and penalties, grammars that admit only EOS or one string, a grammar that
-  ends before min_tokens with stop_token_ids (found by a random fuzz), a prompt of max_model_len - 1 tokens), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k
+  ends before min_tokens with stop_token_ids, a prompt of max_model_len - 1 tokens), sampled requests whose law is a point mass (top_p 1e-9, min_p 1, top_k
   1 at T 2) and sampled requests whose rows have no mass at all (every token masked; +inf biases);
 - seeded sampled requests (n > 1 with penalties, top_k past the vocabulary, T 2, T 1e-6 (vLLM clamps
   it to 0.01), a grammar, a choice with n 2, logprobs and a stop string, seeds at both ends of the
@@ -452,7 +452,7 @@ def test_aborts_mid_prefill_and_mid_decode(engine, plain, alone):
 def test_a_one_token_prompt_joining_a_decoding_batch_is_served_without_fallback(engine, plain, alone, monkeypatch, vllm_pads):
     """vLLM's scheduler pads a request that joins a decoding batch with one token left to compute (here a
     one-token prompt) to 1 + num_speculative_tokens rows of placeholder drafts (-1), which no proposed
-    tree holds (found by a fuzz). Our CPU scheduler schedules it as its one token (`UnpaddedScheduler`);
+    tree holds. Our CPU scheduler schedules it as its one token (`UnpaddedScheduler`);
     with vLLM's padding forced back on (as on a GPU), the placeholders are verified as a chain and
     rejected. Either way both requests give what they give alone, and no chain fallback is counted."""
     from vllm_ddtree.vllm import tree_step
@@ -575,8 +575,8 @@ class _OddClock:
 
 def test_a_stopped_or_jumping_clock_changes_no_output(engine, plain, alone, monkeypatch):
     """The adaptive policy, first timing the steps with the real clock, then with a stopped, backwards
-    and jumping one (zero, negative and huge step times), takes no engine down (a stopped clock once
-    divided by zero: its held shape's steps made the machine's speed 0) and changes no output."""
+    and jumping one (zero, negative and huge step times), takes no engine down (a stopped clock gives
+    a held shape's steps zero seconds, a machine speed of 0 to divide by) and changes no output."""
     from vllm_ddtree.vllm import runner as runner_module
 
     model_runner(engine).use_budget_policy(AdaptiveBudget(candidate_shapes(BUDGET, DEPTH), explore=0.2))

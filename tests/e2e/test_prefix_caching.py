@@ -6,8 +6,8 @@ by steps without speculation (their context is deferred: `DDTreeProposer.defer_c
 The embedded trained pair, one request of 400 prompt tokens (blocks of 128 on CPU: three full blocks
 cached), greedy, the policy's shapes forced (`ScriptedBudget`): the chain verifies a request as many
 steps after a hit as without one, when the hit's blocks were filled by steps without speculation and the
-draft's KV cache was zeroed before (so any position whose context was not stored would read zeros; with
-the deferred context dropped instead of stored, the chain took 17 steps instead of 32). Of the finished
+draft's KV cache was zeroed before (so any position whose context was not stored would read zeros, and
+the chain would accept fewer drafts and take more steps after the hit). Of the finished
 request's deferred rows, those of its full blocks are stored, once each, and those of its last, partial
 block are not: the engine caches full blocks only, so nothing reads them.
 """

@@ -4,8 +4,8 @@ Every token method 'ddtree' emits comes from the core's sampling rule, on every 
 request's first token (prefill; partial prefills are drawn and discarded), steps without drafts (the
 budget policy chose "off"), chain steps and tree steps, mixed in one batch. A `ScriptedBudget` forces
 the shape of every step (the tests never hope for timing), and each script is run on the same engine:
-- options vLLM's CPU sampler handles badly on some step kinds (top_k without top_p used to take the
-  engine down on a step without drafts) complete on every step kind, and the engine serves on;
+- options vLLM's CPU sampler treats specially on some step kinds (top_k without top_p takes its own
+  path on a step without drafts) complete on every step kind, and the engine serves on;
 - top_k = 1 at T > 0 emits exactly the greedy output, which equals plain decoding's;
 - greedy requests equal plain decoding under every script (the chain included, walked as a tree);
 - a seeded request's tokens are the same under every script, batched or alone: draws are keyed by

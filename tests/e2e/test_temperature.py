@@ -4,16 +4,15 @@ batches (greedy + sampled, different max_tokens and stop tokens) served together
 Distribution test. Pair: the focused pair cut to a 32-token vocabulary with its LM head scaled by 0.3
 (`small_vocab.shrink_vocab`): at T = 1 the target spreads its mass over the four FOCUS tokens (about
 0.58 / 0.19 / 0.16 / 0.05, the other 28 tokens ~0.02 together) and the draft's top-4 holds them, so
-the tree accepts (budget 16: ~2.6 tokens per verify step even with max_tokens 3). N = 2,000 requests
+the tree accepts deep paths (budget 16, even with max_tokens 3). N = 2,000 requests
 of one prompt per setting (T = 1; T = 0.8 with top_p 0.9 and top_k 6), max_tokens 3, under ddtree and
 under plain decoding, all in one `generate` call per engine. The first token is drawn at the prefill step
 (a tree of the root alone), tokens 2 and 3 by the tree walk. For the laws of the first token and of the first three
 tokens a two-sample chi-square test (cells with fewer than 10 samples in both runs together pooled)
 must give p > 1e-3. Power: moving a mass d between two cells of probability 0.1 shifts the statistic's
 non-centrality by 1000 d^2 * 20, so at alpha = 1e-3 the test detects d = TV = 0.05 with power >= 0.9
-with up to 30 degrees of freedom (0.71 with 60) and d = 0.04 with power 0.94 for the first token (stock
-vLLM's CPU rejection sampler, for comparison, is off by a TV of ~0.7 here). top_k alone (no top_p) has a
-setting of its own: it once took a different path in vLLM's sampler. Penalties have one too: tokens 2
+with up to 30 degrees of freedom (0.71 with 60) and d = 0.04 with power 0.94 for the first token. top_k
+alone (no top_p) has a setting of its own: vLLM's sampler takes a separate path for it. Penalties have one too: tokens 2
 and 3 are drawn at tree nodes whose histories (output + the node's path) set the penalties; and min_p
 with logit_bias (both refused by vLLM under its own speculative methods). Seeds under forced tree shapes:
 tests/e2e/test_sampling_options.py.

@@ -5,9 +5,9 @@ An off step only keeps the context of the tokens the target computed (DFlash's K
 as K/V in one pass with other off steps' rows before the next draft pass: no pass over the mask
 block, no draft LM head, no top-k. The shapes are forced by a `ScriptedBudget`
 on the embedded trained pair (greedy), whose draft reads its context: if off steps left holes in the
-draft's context, the trees after them would accept far fewer tokens (measured with the context store
-removed: 2.9 and 2.6 tokens per verify step for the two off scripts below, against 3.6 for trees on
-every step; with it: 3.6 and 3.9).
+draft's context, the trees after them would accept fewer tokens per verify step than trees on every
+step; the tests below require at least 95% of theirs, which trees after off steps miss by a wide margin
+when the context store is removed.
 """
 
 from __future__ import annotations
