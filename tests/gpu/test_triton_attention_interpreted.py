@@ -7,7 +7,7 @@ pads), mixed batches (a prefill, chains and trees of different sizes: the gather
 nodes reaching past the block table), both physical KV stride orders (NHD, HND), GQA and MHA. Rows
 the tree layout does not cover stay bit-identical to vLLM's.
 
-Runs only in a process started with TRITON_INTERPRET=1 (test_interpreter_process.py starts one). By
+Runs only in a process started with TRITON_INTERPRET=1 (tests/test_interpreter_process.py starts one). By
 hand: TRITON_INTERPRET=1 python -m pytest tests/gpu/test_triton_attention_interpreted.py
 """
 
@@ -18,7 +18,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in its own TRITON_INTERPRET=1 process (test_interpreter_process.py)", allow_module_level=True)
+    pytest.skip("runs in its own TRITON_INTERPRET=1 process (tests/test_interpreter_process.py)", allow_module_level=True)
 
 from tests.gpu.triton_cpu_backend import register_cpu_backend_stand_in
 

@@ -9,7 +9,7 @@ while a chunked prefill goes on), vLLM's kernel and ours in every target layer, 
 non-causal pass through the same backend, and K/V compaction on the logical cache. (vLLM's Triton
 KV writer asks for the CUDA capability: answered with 9.0, a stand-in.)
 
-Runs only in a process started with TRITON_INTERPRET=1 (test_interpreter_process.py starts one).
+Runs only in a process started with TRITON_INTERPRET=1 (tests/test_interpreter_process.py starts one).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in its own TRITON_INTERPRET=1 process (test_interpreter_process.py)", allow_module_level=True)
+    pytest.skip("runs in its own TRITON_INTERPRET=1 process (tests/test_interpreter_process.py)", allow_module_level=True)
 
 from tests.gpu.triton_cpu_backend import register_cpu_backend_stand_in
 

@@ -2,7 +2,7 @@
 
 The kernels run in Triton's CPU interpreter, which needs TRITON_INTERPRET=1 from before triton is first
 imported (triton's own library functions are decorated at that import). So this module runs only in a
-process started with it: test_interpreter_process.py starts one; in any other process it skips itself.
+process started with it: tests/test_interpreter_process.py starts one; in any other process it skips itself.
 By hand: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_tree_attention.py
 """
 
@@ -13,7 +13,7 @@ import os
 import pytest
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("runs in its own TRITON_INTERPRET=1 process (test_interpreter_process.py)", allow_module_level=True)
+    pytest.skip("runs in its own TRITON_INTERPRET=1 process (tests/test_interpreter_process.py)", allow_module_level=True)
 
 import contextlib
 import math
