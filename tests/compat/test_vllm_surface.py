@@ -24,6 +24,7 @@ from vllm_ddtree.vllm.surface import (
     SURFACE,
     IncompatibleVLLM,
     VLLMMember,
+    available,
     check_vllm_surface,
     member_params,
     vllm_surface,
@@ -140,6 +141,34 @@ def test_installed_vllm_has_every_member():
     assert kinds == {"override", "patch", "replace", "read-method", "read-attribute"}
 
 
+def test_every_platform_checks_its_runner_paths_entries_at_start():
+    """Off CPU the start-up check leaves out only the entries owned by vLLM's CPU-platform modules (which
+    never run there, and are not imported there); the GPU runner's and everything shared stay."""
+    from unittest import mock
+
+    from vllm_ddtree.vllm import plugin
+    from vllm_ddtree.vllm.surface import installed_surface
+
+    everywhere, off_cpu = installed_surface(cpu=True), installed_surface(cpu=False)
+    left_out = set(everywhere) - set(off_cpu)
+    assert left_out and all(m.cpu_only for m in left_out) and not any(m.cpu_only for m in off_cpu)
+    assert {m.owner.rsplit(".", 1)[0] for m in left_out} == {
+        "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu_worker", "vllm.v1.attention.backends.cpu_attn"}
+    assert any(m.owner == GPU_RUNNER for m in off_cpu) and any(m.kind == "patch" for m in off_cpu)
+    check_vllm_surface(off_cpu)
+
+    cuda = types.SimpleNamespace(is_cpu=lambda: False, is_cuda=lambda: True)
+    with (
+        mock.patch("vllm.platforms._current_platform", cuda),
+        mock.patch.object(plugin, "check_vllm_surface") as check,
+        mock.patch("vllm_ddtree.vllm.patches.apply_all"),
+        mock.patch("vllm.v1.attention.backends.registry.register_backend") as register_backend,
+    ):
+        plugin.register()
+    check.assert_called_once_with(off_cpu)
+    assert register_backend.call_args.args[1] == plugin.GPU_ATTENTION_BACKEND
+
+
 FAKES = [
     (VLLMMember(GPU_RUNNER, "_sample_v2", "override", "renamed method", params=("logits", "spec_decode_metadata")), "lacks it"),
     (VLLMMember(GPU_RUNNER, "_sample", "override", "one parameter fewer", params=("logits",)), r"has \(logits, spec_decode_metadata\)"),
@@ -162,7 +191,7 @@ def test_check_names_a_member_vllm_lacks_or_changed(member, problem):
 
 def test_one_error_names_every_problem_and_nothing_else():
     with pytest.raises(IncompatibleVLLM) as raised:
-        check_vllm_surface(SURFACE + tuple(member for member, _ in FAKES))
+        check_vllm_surface(tuple(filter(available, SURFACE)) + tuple(member for member, _ in FAKES))
     listed = [line for line in str(raised.value).splitlines() if line.startswith("- ")]
     assert [line.split(" (", 1)[0] for line in listed] == [f"- {member}" for member, _ in FAKES]
 

@@ -33,7 +33,11 @@ Under a reasoning parser (without `enable_in_reasoning`) the grammar starts wher
 (`node_reasoning`): a node is masked only once the reasoning has ended on the committed output or on
 its path (judged token by token by vLLM's own `_get_constraint_bounds`, as plain decoding commits
 them), and the grammar consumes only the tokens after the end (the end token too when the parser calls
-it content). Nodes before the end stay unmasked and every candidate enters their subtrees.
+it content). Nodes before the end stay unmasked and every candidate enters their subtrees, except, on
+vLLM releases that mask them in plain decoding (0.33: `StructuredOutputManager._masked_reasoning_ends`),
+the implicit reasoning-end tokens the grammar rejects as its first content token: a reasoning node's row
+allows every token but those (`_RequestGrammar.masked_while_reasoning`, asked of vLLM once per request,
+`ReasoningGate.masked_reasoning_ends`; empty on 0.32, which masks nothing while reasoning).
 
 Invariant: a grammar's state between steps is the state after the request's committed output
 (`_RequestGrammar.consumed` tokens of it, of which the grammar consumed those after the reasoning's
@@ -47,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.tokenizers import cached_tokenizer_from_config
 from vllm.v1.structured_output.backend_guidance import GuidanceBackend
@@ -82,6 +87,8 @@ class _RequestGrammar:
     """Where the grammar starts under a reasoning parser; None: from the first output token."""
     ended: bool = True
     """Whether the reasoning has ended on the `consumed` output tokens (always, without a gate)."""
+    masked_while_reasoning: tuple[int, ...] = ()
+    """The tokens a row masks while the request reasons (`ReasoningGate.masked_reasoning_ends`)."""
 
     def grammar_tokens(self, before: list[int], ended: bool, tokens: list[int]) -> tuple[bool, list[int]]:
         """For `tokens` following the output tokens `before` in reasoning state `ended`: whether the
@@ -238,6 +245,8 @@ class NodeGrammars:
                 entry = self._grammars[req_id] = self._compile(params)
                 entry.gate = self._reasoning_gates.gate(params, state.prompt_token_ids or [], self._reasoning.pop(req_id, (None, None)))
                 entry.ended = entry.gate is None
+                if entry.gate is not None:  # the grammar is still at its start, as vLLM asks it
+                    entry.masked_while_reasoning = entry.gate.masked_reasoning_ends(entry.grammar)
             except Exception:  # noqa: BLE001 - one request's grammar must not stop the engine
                 self._grammars.pop(req_id, None)
                 logger.exception("method 'ddtree': could not compile the grammar of request %s", req_id)
@@ -276,8 +285,8 @@ class NodeGrammars:
 
 def _node_bitmasks(req_id: str, entry: _RequestGrammar, output: list[int], step: TreeStep, index: int, count: int) -> torch.Tensor:
     """[count, W] int32 bitmask of each of request `index`'s first `count` nodes (all bits set where
-    unconstrained: while reasoning, after a stop). Depth-first from the root (the state after the
-    committed `output`); the grammar ends where it started."""
+    unconstrained: after a stop; while reasoning, all but `entry.masked_while_reasoning`). Depth-first
+    from the root (the state after the committed `output`); the grammar ends where it started."""
     grammar = entry.grammar
     bitmask = entry.backend.allocate_token_bitmask(count)
     bitmask.fill_(-1)
@@ -293,9 +302,11 @@ def _node_bitmasks(req_id: str, entry: _RequestGrammar, output: list[int], step:
             if grammar.is_terminated():
                 return
             grammar.fill_bitmask(bitmask, node)
+        elif entry.masked_while_reasoning:  # otherwise the row is already all set
+            _reasoning_row_(words[node], entry.masked_while_reasoning)
         for child in children[node]:
             token = tokens[child]
-            if ended and not _allows(words[node], token):
+            if not _allows(words[node], token):
                 continue
             child_ended, consumed = (True, [token]) if ended else entry.grammar_tokens(output + path, ended, [token])
             if consumed and not grammar.accept_tokens(req_id, consumed):
@@ -313,14 +324,15 @@ def _filtered_tree(
 ) -> tuple[DraftTree, torch.Tensor]:
     """One request's best-first tree among the candidates its grammar (at the root's state: after
     `output`, reasoning `ended` or not) admits, and its nodes' bitmasks [num_nodes, W] as the verify
-    step applies them (`_ProposedMasks`); while reasoning, every candidate is admitted."""
+    step applies them (`_ProposedMasks`); while reasoning, every candidate but
+    `entry.masked_while_reasoning` is admitted."""
     grammar = entry.grammar
     bitmask = entry.backend.allocate_token_bitmask(budget + 1)  # row i: node i, filled as nodes are admitted
     words = bitmask.numpy()  # the same memory
     if ended:
         grammar.fill_bitmask(bitmask, 0)
     else:
-        words[0] = -1
+        _reasoning_row_(words[0], entry.masked_while_reasoning)
     paths: list[list[int]] = [[]]
     consumed_paths: list[list[int]] = [[]]  # the tokens of each path the grammar consumes
     reasoning_ended = [ended]
@@ -328,13 +340,15 @@ def _filtered_tree(
     def admit(parent: int, token: int) -> bool:
         if reasoning_ended[parent] and not _allows(words[parent], token):
             return False
+        if not reasoning_ended[parent] and token in entry.masked_while_reasoning:
+            return False  # masked in its parent's row while reasoning
         parent_ended = reasoning_ended[parent]
         child_ended, consumed = (True, [token]) if parent_ended else entry.grammar_tokens(output + paths[parent], False, [token])
         node, path, consumed_path = len(paths), paths[parent] + [token], consumed_paths[parent] + consumed
         if token in stops:
             words[node] = 0  # nothing follows a stop token
         elif not child_ended:
-            words[node] = -1
+            _reasoning_row_(words[node], entry.masked_while_reasoning)
         elif not parent_ended and grammar.validate_tokens(consumed_path) != consumed_path:
             return False  # an end token the parser calls content, which the grammar rejects
         else:
@@ -348,14 +362,27 @@ def _filtered_tree(
 
     tree = build_filtered_tree(root, top_logprobs, top_token_ids, budget, admit)
     verify = bitmask[: len(paths)].clone()
-    stop_nodes = [node for node, path in enumerate(paths) if path and path[-1] in stops]
-    verify[stop_nodes] = -1  # the grammar ended there: unconstrained, as `_node_bitmasks` leaves it
+    for node, path in enumerate(paths):
+        if path and path[-1] in stops:  # as `_node_bitmasks` leaves it: unconstrained once the grammar ended
+            if reasoning_ended[node]:
+                verify[node] = -1
+            else:
+                _reasoning_row_(verify[node].numpy(), entry.masked_while_reasoning)
     return tree, verify
 
 
 def _allows(bitmask_row: Any, token: int) -> bool:
     """Whether a packed int32 bitmask row (a numpy or torch row: bit t of word t // 32) allows token t."""
     return bool((int(bitmask_row[token >> 5]) >> (token & 31)) & 1)
+
+
+def _reasoning_row_(bitmask_row: Any, masked: tuple[int, ...]) -> None:
+    """Fill a packed int32 bitmask row (numpy) as vLLM fills a row while the request reasons: every
+    token allowed but `masked` (`StructuredOutputManager._fill_bitmasks` in vLLM 0.33)."""
+    bitmask_row[:] = -1
+    words = bitmask_row.view(np.uint32)
+    for token in masked:
+        words[token >> 5] &= ~np.uint32(1 << (token & 31))
 
 
 def _apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:

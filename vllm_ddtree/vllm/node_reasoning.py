@@ -18,6 +18,14 @@ scheduler-side `Request` only; a declared patch (`patches._schedule`) hands them
 each new request (`REASONING_ATTR` on vLLM's `NewRequestData`), in every executor (the scheduler
 output is pickled for worker processes, the attribute with it).
 
+While a request reasons, vLLM 0.33 also masks, in plain decoding's rows, the implicit reasoning-end
+tokens (an engine-based parser's content tokens that end the reasoning, e.g. a tool-call start) that the
+grammar rejects as its first token, so that one sampled there cannot make the output invalid
+(`StructuredOutputManager._masked_reasoning_ends`, a set fixed per request: the grammar does not advance
+while reasoning). `ReasoningGate.masked_reasoning_ends` asks vLLM's own function for that set where the
+installed release has it (`surface.MASKED_REASONING_ENDS`, a 0.33-only entry) and answers none on 0.32,
+which masks nothing while reasoning; `node_grammar` masks it in every reasoning node's row.
+
 Invariant: a reasoner's verdict on a token depends only on the request's tokens up to it (vLLM's parsers
 are stateless here: an end token among the new ids; `tests/e2e/test_reasoning_structured.py`), so
 judging tree paths, rejected ones included, changes nothing for the committed output.
@@ -31,6 +39,8 @@ from typing import Any
 from vllm.reasoning import ReasoningParserManager
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.structured_output.request import StructuredOutputRequest
+
+from vllm_ddtree.vllm.surface import MASKED_REASONING_ENDS, available
 
 REASONING_ATTR = "ddtree_reasoning"
 """The attribute of vLLM's `NewRequestData` carrying (reasoning_ended, reasoning_parser_kwargs) of a
@@ -63,6 +73,15 @@ class ReasoningGate:
 
     def _view(self, all_token_ids: list[int]) -> _RequestView:
         return _RequestView(self._request, self._prompt, all_token_ids)
+
+    def masked_reasoning_ends(self, grammar: Any) -> tuple[int, ...]:
+        """The tokens masked in the request's rows while it reasons, as the installed vLLM masks them in
+        plain decoding: on 0.33 the implicit reasoning-end tokens `grammar` (the request's, at its start)
+        rejects as first content; on 0.32 none."""
+        if not available(MASKED_REASONING_ENDS):
+            return ()
+        self._request.grammar = grammar
+        return tuple(StructuredOutputManager._masked_reasoning_ends(self._manager, self._view(self._prompt)))
 
     def grammar_start(self, output: list[int], token: int) -> int | None:
         """For `token` committed after the prompt and `output` (the committed output and the node's path

