@@ -1,8 +1,8 @@
 """Host-side tree work of one batch-1 engine step, by piece: what the runner's "tree build + verify
 inputs" stage spends besides vLLM's own input preparation.
 
-Pieces: the drafter's best-first tree from the draft top-k (`build_draft_trees`) and its flat drafts
-(`tolist`); the step object (`TreeStep.build`: the proposed tree taken back, the ancestor mask, RoPE
+Pieces: the drafter's best-first tree from the draft top-k (`build_draft_trees_on_host`, the engine's
+compiled build) and its flat drafts (`tolist`); the step object (`TreeStep.build`: the proposed tree taken back, the ancestor mask, RoPE
 positions, node rows, the branching trees' rows); the CPU tree-attention metadata (`TreeAttention.build`).
 Draft log-probs are peaked like a block draft's; the tree fills the budget. Pieces run round-robin, and
 the table gives each piece's median and the median [min-max] of the per-round sums over `--rounds`.
@@ -22,15 +22,15 @@ import torch
 
 
 def pieces(budget: int, depth: int, prefix: int, block_size: int = 128) -> dict:
-    from vllm_ddtree.core import build_draft_trees
     from vllm_ddtree.vllm.attention import TreeAttention
+    from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
     from vllm_ddtree.vllm.tree_step import Proposals, TreeStep
 
     gen = torch.Generator().manual_seed(0)
     logprobs = torch.randn(1, depth, budget, generator=gen).mul(3).log_softmax(-1).sort(-1, descending=True).values
     token_ids = torch.randint(1, 4000, (1, depth, budget), generator=gen)
     root = torch.tensor([5])
-    trees = build_draft_trees(root, logprobs, token_ids, budget)
+    trees = build_draft_trees_on_host(root, logprobs, token_ids, budget)
     num_nodes = int(trees.num_nodes[0])
     tokens = np.zeros((1, prefix + num_nodes + 1), dtype=np.int64)
     tokens[0, prefix : prefix + num_nodes] = trees.token_ids[0, :num_nodes].numpy()
@@ -47,7 +47,7 @@ def pieces(budget: int, depth: int, prefix: int, block_size: int = 128) -> dict:
 
     rows = step().attention_rows()
     return {
-        "build_draft_trees": lambda: build_draft_trees(root, logprobs, token_ids, budget),
+        "build_draft_trees_on_host": lambda: build_draft_trees_on_host(root, logprobs, token_ids, budget),
         "drafts tolist": lambda: [nodes[:n] for nodes, n in zip(trees.token_ids[:, 1:].tolist(), (trees.num_nodes - 1).tolist())],
         "TreeStep.build + rows": step,
         "TreeAttention.build": lambda: TreeAttention.build(rows, block_table, block_size),
