@@ -17,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from typing import Any
 
 import pytest
 
 from tests.e2e.conftest import KV_CACHE_BYTES, MAX_MODEL_LEN, MAX_TOKENS, prompts
 from tests.e2e.pairs import HIDDEN, VOCAB
+
+STATS_DEADLINE_S = 60
 
 
 async def _generate_dp(
@@ -50,16 +53,28 @@ async def _generate_dp(
 
     try:
         token_ids = await asyncio.wait_for(asyncio.gather(*(one(i, r) for i, r in enumerate(requests))), timeout=180)
-        await asyncio.sleep(0.5)  # the last stats of each replica reach the front-end's loggers
-        counters: dict[str, dict[str, float]] = {}
-        for metric in REGISTRY.collect():
-            for sample in metric.samples:
-                if sample.name in ("vllm:request_success_total", "vllm:spec_decode_num_drafts_total"):
-                    per_engine = counters.setdefault(sample.name, {})
-                    per_engine[sample.labels["engine"]] = per_engine.get(sample.labels["engine"], 0.0) + sample.value
-        return token_ids, counters
+        # A request's last output can reach its caller before the front-end's loggers record the stats
+        # that came with it (the step's drafts among them): wait until every request is counted.
+        deadline = time.monotonic() + STATS_DEADLINE_S
+        while (finished := sum(_counters(REGISTRY).get("vllm:request_success_total", {}).values())) < len(requests):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the front-end's metrics counted {finished} of {len(requests)} finished requests "
+                            f"{STATS_DEADLINE_S} s after the last output: {_counters(REGISTRY)}")  # fmt: skip
+            await asyncio.sleep(0.05)
+        return token_ids, _counters(REGISTRY)
     finally:
         llm.shutdown()
+
+
+def _counters(registry: Any) -> dict[str, dict[str, float]]:
+    """{metric: {engine index: value}} of the request and draft counters in a Prometheus registry."""
+    counters: dict[str, dict[str, float]] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name in ("vllm:request_success_total", "vllm:spec_decode_num_drafts_total"):
+                per_engine = counters.setdefault(sample.name, {})
+                per_engine[sample.labels["engine"]] = per_engine.get(sample.labels["engine"], 0.0) + sample.value
+    return counters
 
 
 def test_dp2_greedy_equals_plain_and_seeded_equal_one_engine_on_both_replicas(pair_dirs, engine_runs, monkeypatch):
