@@ -5,8 +5,10 @@ One server (the `server` fixture of test_serve: focused pair, budget 16, `--skip
 1. 64 concurrent streaming completions with mixed parameters (greedy at several max_tokens, greedy
    with a stop token id, seeded temperature/top_p) plus one request the server refuses
    (`logprobs=-1`, the whole vocabulary, over the server's max_logprobs: vLLM's own cap), which must
-   get HTTP 400 while the others complete. Every greedy output equals the
-   same prompt's greedy output sent alone; identical seeded requests give identical outputs.
+   get HTTP 400 while the others complete. The refused request is sent once a load stream has begun,
+   and that stream is held open (not read further) until the 400 is back, so the refusal is answered
+   while the load is in flight. Every greedy output equals the same prompt's greedy output sent alone;
+   identical seeded requests give identical outputs.
 2. 32 more streaming requests, half closed by the client after a few chunks (server-side abort);
    the other half still equal their alone-greedy outputs.
 3. Afterwards /metrics shows `vllm:num_requests_running` 0 and `vllm:kv_cache_usage_perc` 0 (no KV
@@ -42,8 +44,11 @@ def _gauge(metrics_text: str, name: str) -> float:
     return total
 
 
-async def _stream(client, model, prompt, *, abort_after: int | None = None, **params) -> tuple[list[int], str | None, float]:
-    """One streaming completion: (token ids, finish reason, latency); closed early if abort_after is set."""
+async def _stream(
+    client, model, prompt, *, abort_after: int | None = None, hold: tuple[asyncio.Event, asyncio.Event] | None = None, **params
+) -> tuple[list[int], str | None, float]:
+    """One streaming completion: (token ids, finish reason, latency); closed early if abort_after is set.
+    hold=(begun, release): after the first chunk, set `begun` and read no further until `release` is set."""
     started = time.monotonic()
     tokens: list[int] = []
     finish = None
@@ -55,6 +60,9 @@ async def _stream(client, model, prompt, *, abort_after: int | None = None, **pa
             chunks += 1
             tokens += chunk.choices[0].token_ids or []
             finish = chunk.choices[0].finish_reason or finish
+            if hold is not None and chunks == 1:
+                hold[0].set()
+                await hold[1].wait()
             if abort_after is not None and chunks >= abort_after:
                 break
     finally:
@@ -110,21 +118,36 @@ def test_concurrent_streams_aborts_and_kv_release(server):  # noqa: F811
                     params["top_p"] = 0.9
                 specs.append(("seeded", (p, seed), None, params))
 
+        # Load stream 0 holds its response open after its first chunk until the refusal is back.
+        held_begun, refusal_back = asyncio.Event(), asyncio.Event()
+        load_done: list[int] = []  # indices of the load streams whose response ended, in order
+
+        async def load_stream(i: int, prompt: list[int], params: dict):
+            try:
+                return await _stream(client, model, prompt, hold=(held_begun, refusal_back) if i == 0 else None, **params)
+            finally:
+                load_done.append(i)
+                if i == 0:
+                    held_begun.set()  # stream 0 failed before its first chunk: the refusal goes on, `errors` reports it
+
         async def unsupported():
-            await asyncio.sleep(0.2)  # lands while the load is running
+            await held_begun.wait()  # the load has begun: the server is streaming load stream 0
             try:
                 await client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=8, logprobs=-1, extra_body=EXTRA)
             except BadRequestError as e:
-                return e
-            return None
+                return e, len(load_done)
+            finally:
+                refusal_back.set()
+            return None, len(load_done)
 
         load_started = time.monotonic()
-        tasks = [guarded(_stream(client, model, PROMPTS[p if kind != "seeded" else p[0]], **params))
-                 for kind, p, _, params in specs]
-        *results, refused = await asyncio.wait_for(asyncio.gather(*tasks, unsupported()), LOAD_DEADLINE_S)
+        tasks = [guarded(load_stream(i, PROMPTS[p if kind != "seeded" else p[0]], params))
+                 for i, (kind, p, _, params) in enumerate(specs)]
+        *results, (refused, done_at_refusal) = await asyncio.wait_for(asyncio.gather(*tasks, unsupported()), LOAD_DEADLINE_S)
         load_s = time.monotonic() - load_started
         assert isinstance(refused, BadRequestError) and refused.status_code == 400, refused
         assert "logprobs" in str(refused), refused
+        assert done_at_refusal < LOAD_REQUESTS, "the refusal was answered after the whole load had ended"
         assert not errors, errors
         seeded: dict = {}
         for (kind, p, want, params), (tokens, finish, _) in zip(specs, results):
@@ -166,12 +189,12 @@ def test_concurrent_streams_aborts_and_kv_release(server):  # noqa: F811
         tokens, finish, _ = await _stream(client, model, PROMPTS[3], max_tokens=GREEDY_TOKENS, temperature=0.0)
         assert tokens == refs[3] and finish == "length"
         await client.close()
-        return served, load_s, running, kv, cut
+        return served, load_s, running, kv, cut, LOAD_REQUESTS - done_at_refusal
 
-    served, load_s, running, kv, cut = asyncio.run(main())
+    served, load_s, running, kv, cut, open_at_refusal = asyncio.run(main())
     lat = sorted(latencies)
     p50, p99 = lat[len(lat) // 2], lat[min(len(lat) - 1, int(0.99 * len(lat)))]
-    print(f"served {served} streaming requests (+1 refused with 400, {ABORT_REQUESTS // 2} closed after 3 chunks, {cut} of them before the end); "
+    print(f"served {served} streaming requests (+1 refused with 400 while {open_at_refusal} load streams were open, {ABORT_REQUESTS // 2} closed after 3 chunks, {cut} of them before the end); "
           f"errors {dict(errors) or 'none'}; 64-request load {load_s:.1f} s; latency p50 {p50:.2f} s, "
           f"p99 {p99:.2f} s; after the run: running {running:.0f}, kv_cache_usage_perc {kv:.4f}; "
           f"test {time.monotonic() - started:.1f} s")
