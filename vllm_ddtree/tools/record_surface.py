@@ -7,7 +7,8 @@
 WHEEL_OR_DIR: a vLLM wheel (`pip download --no-deps vllm==X.Y.Z`), or a directory holding the `vllm`
 package (an unpacked wheel, a site-packages, or the package directory itself). The record maps each
 entry's `place` (every runner path's table and the declared patches, `surface.vllm_surface`) to the
-`surface.Found` facts the check reads: a few kilobytes per release, committed under
+`surface.Found` facts the check reads, and whether each vLLM name vllm_ddtree's modules import resolves
+(`our_vllm_imports`; the table leaves imports out): a few kilobytes per release, committed under
 tests/compat/surfaces/ so CI checks every release we claim without its wheel
 (tests/compat/test_recorded_surfaces.py). Run it again for every release whenever the table gains an
 entry. It imports vllm_ddtree (so the installed vLLM, for the patch entries), never the recorded sources.
@@ -346,6 +347,33 @@ def found_in_sources(resolver: Resolver, member: VLLMMember) -> Found:
     return Found(absent="member") if node is None else _function_found(node, in_class=True)
 
 
+def our_vllm_imports() -> list[str]:
+    """Every vLLM name vllm_ddtree's modules import, "module:name" (`from module import name`) or "module"
+    (`import module`), read from our sources: an import the surface table does not list, which fails at
+    start-up on a release without it."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found: set[str] = set()
+    for folder, _, names in os.walk(package):
+        for name in (n for n in names if n.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module and node.module.split(".")[0] == "vllm":
+                    found |= {f"{node.module}:{alias.name}" for alias in node.names}
+                elif isinstance(node, ast.Import):
+                    found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "vllm"}
+    return sorted(found)
+
+
+def import_resolves(resolver: Resolver, name: str) -> bool:
+    """Whether `name` (an `our_vllm_imports` item) imports from the sources."""
+    module, _, attribute = name.partition(":")
+    symbol = resolver.resolve(module)
+    if symbol is None or symbol.node is not None or symbol.external:
+        return False
+    return not attribute or resolver.module_name(module, attribute) is not None
+
+
 def all_entries() -> list[VLLMMember]:
     """Every runner path's entries and the declared patches, one per place."""
     entries = {m.place: m for path in SURFACES for m in vllm_surface(path)}
@@ -360,13 +388,19 @@ def record(path: str) -> dict:
         "vllm": sources.version(),
         "from": sources.origin,
         "found": {m.place: found_in_sources(resolver, m).to_json() for m in all_entries()},
+        "imports": {name: import_resolves(resolver, name) for name in our_vllm_imports()},
     }
 
 
 def dump(data: dict) -> str:
     """The record as committed: one entry per line, so a diff shows what a release changed."""
-    lines = [f"  {json.dumps(place)}: {json.dumps(found, separators=(', ', ': '))}" for place, found in data["found"].items()]
-    return "{\n" + f'  "vllm": {json.dumps(data["vllm"])},\n  "from": {json.dumps(data["from"])},\n  "found": {{\n' + ",\n".join("  " + line for line in lines) + "\n  }\n}\n"
+    lines = [f"    {json.dumps(place)}: {json.dumps(found, separators=(', ', ': '))}" for place, found in data["found"].items()]
+    imports = [f"    {json.dumps(name)}: {json.dumps(resolves)}" for name, resolves in data["imports"].items()]
+    return (
+        "{\n" + f'  "vllm": {json.dumps(data["vllm"])},\n  "from": {json.dumps(data["from"])},\n'
+        + '  "found": {\n' + ",\n".join(lines) + "\n  },\n"
+        + '  "imports": {\n' + ",\n".join(imports) + "\n  }\n}\n"
+    )
 
 
 def lacks_report(path: str, data: dict) -> str:
@@ -375,12 +409,15 @@ def lacks_report(path: str, data: dict) -> str:
     found = data["found"]
     entries = vllm_surface(path)
     listed = problems(entries, lambda m: Found.from_json(found[m.place]), f"vLLM {data['vllm']}")
+    unresolved = [name for name, resolves in data["imports"].items() if not resolves]
     return (
         f"# What runner path {path}'s table ({len(entries)} entries with the declared patches) lacks or finds changed in "
         f"vLLM {data['vllm']}: {len(listed)} entries.\n"
         f"# Regenerate: python -m vllm_ddtree.tools.record_surface --lacks {path} tests/compat/surfaces/vllm-{data['vllm']}.json "
         f"--out tests/compat/surfaces/{path}-lacks-in-vllm-{data['vllm']}.txt\n"
         + "".join(f"{m} ({m.kind}): {p}\n" for m, p in listed)
+        + f"# vllm_ddtree's imports of vLLM that vLLM {data['vllm']} cannot resolve: {len(unresolved)} of {len(data['imports'])}.\n"
+        + "".join(f"import {name}\n" for name in unresolved)
     )
 
 

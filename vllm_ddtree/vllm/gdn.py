@@ -7,8 +7,13 @@ of the request's block-table row in the layer's KV cache group) and one rolling 
   'ddtree' step): node i's conv window is its ancestors then the committed history, its recurrent state
   is computed from its parent's and stored in spec column i (`core.gdn_tree`). Every spec-decode request
   of a 'ddtree' engine takes this path, chains and zero-draft decodes included, so the conv buffer always
-  holds window token k at column W-2+k whatever the step's width (vLLM's own chain path keeps that only
-  for windows of num_speculative_tokens + 1 tokens, and a 'ddtree' step's width varies);
+  holds window token k at column W-2+k whatever the step's width, and the next step reads the history
+  at column num_accepted - 1. That is vLLM's own layout: vLLM 0.32's chain path keeps it for windows of
+  num_speculative_tokens + 1 tokens (a 'ddtree' step's width varies, hence this path for all of them);
+  vLLM 0.33's writes `B[:, :W-2+q] = [history[1:], window]` for every width q, which is
+  `core.write_conv_window_` column for column, and runs its native kernel only on full-length windows,
+  where it appends at the same columns (`mamba/ops/cpu/gdn_attention.py`, `_spec_forward`; read from the
+  0.33.0 wheel; `_spec_forward`'s signature and the helpers imported below are in the recorded surfaces);
 - after the walk (`compact_gdn_states`, next to the attention KV compaction): the accepted path's conv
   inputs and its last state move to where vLLM's num_accepted logic reads them next step.
 Prefills and other non-speculative rows stay on vLLM's path. The trees reach the layers on their

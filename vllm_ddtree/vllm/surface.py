@@ -325,9 +325,9 @@ def installed_surface(*, cpu: bool) -> tuple[VLLMMember, ...]:
     return release_surface(path, supported_release(installed_vllm_version()) or "", cpu=cpu)
 
 
-@functools.cache
 def available(member: VLLMMember) -> bool:
-    """Whether the installed vLLM's release is one that has `member` (`VLLMMember.releases`)."""
+    """Whether the installed vLLM's release is one that has `member` (`VLLMMember.releases`). Not cached:
+    asked once per request at most, and tests stand in other versions."""
     return member.releases is None or supported_release(installed_vllm_version()) in member.releases
 
 
