@@ -165,7 +165,8 @@ def all_patches() -> list[Patch]:
         # function wrapper, and the scan fails: the worker does not start whenever numba was imported
         # before it in the same process (a second in-process engine; any application that imported
         # numba). The wrapper hides such objects from the scan (they hold no Triton kernel).
-        # Remove when: vLLM's scan skips attributes whose `__dict__` is not a dict.
+        # Remove when: vLLM's scan skips attributes whose `__dict__` is not a dict (0.34's `_rebind_impls`
+        # does; 0.32 and 0.33 have the same `_rebind_kernels`).
         Patch(
             owner=dispatcher,
             name="_rebind_kernels",
@@ -213,7 +214,7 @@ def all_patches() -> list[Patch]:
             why="refuse requests method 'ddtree' cannot serve at admission",
             remove_when="vLLM lets speculative methods validate requests (RFC vllm#36219)",
         ),
-        # Why: vLLM 0.32 refuses min_p and logit_bias under every speculative method, because its
+        # Why: vLLM 0.32 and 0.33 refuse min_p and logit_bias under every speculative method, because its
         # rejection sampler cannot apply them. Method 'ddtree' samples every tree node with vLLM's own
         # min_p and logit_bias processors (added to the batch by our runner), so for its engines alone
         # the refusal is lifted: the wrapper skips SamplingParams._validate_spec_decode (whose only
