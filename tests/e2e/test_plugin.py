@@ -54,14 +54,21 @@ def test_plain_and_dflash_unaffected_by_plugin(engine_runs, pair_dirs):
         assert without["dflash_metrics"][name] == dflash.metrics[name]
 
 
-def test_other_vllm_version_fails_at_start(monkeypatch):
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        ("0.31.0", r"runs on vLLM 0\.32\.0, 0\.33\.x only, but vLLM 0\.31\.0"),
+        ("0.34.0", r"vLLM 0\.34 removed the V1 model runner that method ddtree runs on"),
+    ],
+)
+def test_other_vllm_version_fails_at_start(monkeypatch, version, message):
     import vllm
 
     from vllm_ddtree.vllm import plugin
     from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    with pytest.raises(UnsupportedVLLMVersion, match=r"supports vLLM 0\.32\.0 only, but vLLM 0\.33\.0"):
+    monkeypatch.setattr(vllm, "__version__", version)
+    with pytest.raises(UnsupportedVLLMVersion, match=message):
         plugin.register()
 
 
