@@ -107,7 +107,8 @@ def _draft(draft_dir: str):
     (the training code's norms fix eps at the tiny pair's 1e-6)."""
     from safetensors.torch import load_file
 
-    from vllm_ddtree.demo.train_pair import DFlashDraft, Recipe, _Norm, rms_norm
+    from vllm_ddtree.demo.pair_model import DFlashDraft, _Norm, rms_norm
+    from vllm_ddtree.demo.train_pair import Recipe
 
     with open(os.path.join(draft_dir, "config.json")) as f:
         cfg = json.load(f)
@@ -126,7 +127,7 @@ def _draft(draft_dir: str):
 
 
 def test_widened_draft_outputs_equal_tiny(widened, target_pair):
-    from vllm_ddtree.demo.train_pair import draft_logits
+    from vllm_ddtree.demo.pair_model import draft_logits
 
     ids = torch.tensor(PROMPTS)
     anchors = torch.tensor([5, 17, 30, 40])

@@ -43,7 +43,8 @@ def load_pair(target_dir: str, draft_dir: str):
     from safetensors.torch import load_file
     from transformers import Qwen3ForCausalLM
 
-    from vllm_ddtree.demo.train_pair import CachedTarget, DFlashDraft, Recipe
+    from vllm_ddtree.demo.pair_model import CachedTarget, DFlashDraft
+    from vllm_ddtree.demo.train_pair import Recipe
 
     target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     with open(os.path.join(draft_dir, "config.json")) as f:
@@ -66,7 +67,8 @@ def greedy_reference(
     """Greedy continuation of every prompt, and per-step acceptance of the chain and of each budget."""
     import torch
 
-    from vllm_ddtree.demo.train_pair import ddtree_accept, draft_logits
+    from vllm_ddtree.demo.pair_eval import ddtree_accept
+    from vllm_ddtree.demo.pair_model import draft_logits
 
     target, draft, recipe, mask_id = load_pair(target_dir, draft_dir)
     depth = recipe.block_size - 1

@@ -25,14 +25,13 @@ interpreter, thread count and library versions repeats the same computation):
 5. evaluation (pure PyTorch): held-out target loss; teacher-forced draft accuracy per depth; chain
    and DDTree acceptance (T=0 stepping) on held-out prompts.
 
-The draft forward here is written to compute exactly what vLLM 0.32's ``qwen3_dflash.py`` computes at
-inference (see ``DFlashDraft``), so a draft trained here accepts as well inside vLLM.
+Corpus and tokenizer: ``pair_corpus``; the models (whose draft forward computes exactly what vLLM
+0.32's ``qwen3_dflash.py`` computes, so a draft trained here accepts as well inside vLLM): ``pair_model``;
+the acceptance evaluation: ``pair_eval``.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
-import heapq
 import json
 import math
 import os
@@ -45,9 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-EOT = "<|endoftext|>"
-MASK = "<|mask|>"
-EXCLUDED_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
+from vllm_ddtree.demo.pair_corpus import (EXCLUDED_DIRS, MASK, list_corpus_files, read_text, sample_files,
+                                          save_hf_tokenizer, sha256_texts, split_files, stdlib_dir,
+                                          train_tokenizer)
+from vllm_ddtree.demo.pair_eval import acceptance_eval, eval_prompts
+from vllm_ddtree.demo.pair_model import CachedTarget, DFlashDraft, draft_logits
+
 
 
 @dataclass
@@ -173,89 +175,6 @@ def lr_at(step: int, total: int, peak: float, recipe: Recipe) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# 1. corpus and tokenizer
-# --------------------------------------------------------------------------------------------
-
-
-def stdlib_dir() -> str:
-    return os.path.dirname(os.__file__)
-
-
-def list_corpus_files(root: str) -> list[str]:
-    """Sorted relative paths of every ``*.py`` under ``root`` outside the excluded directories."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        for name in filenames:
-            if name.endswith(".py"):
-                out.append(os.path.relpath(os.path.join(dirpath, name), root))
-    return sorted(out)
-
-
-def sample_files(files: list[str], n: int | None, seed: int) -> list[str]:
-    """``files`` itself when ``n`` is None (the recipe's corpus), else a seeded random ``n`` of them
-    (smoke runs), sorted."""
-    if n is None:
-        return files
-    return sorted(random.Random(seed).sample(files, n))
-
-
-def split_files(files: list[str], frac: float, seed: int) -> tuple[list[str], list[str]]:
-    """(train, heldout), each sorted; the held-out set is a seeded random ``frac`` of the files."""
-    shuffled = list(files)
-    random.Random(seed).shuffle(shuffled)
-    n_held = max(1, round(frac * len(files)))
-    return sorted(shuffled[n_held:]), sorted(shuffled[:n_held])
-
-
-def read_text(root: str, rel: str) -> str:
-    with open(os.path.join(root, rel), "rb") as f:
-        return f.read().decode("utf-8", errors="replace")
-
-
-def train_tokenizer(texts: list[str], vocab: int):
-    """Byte-level BPE, ``<|endoftext|>`` = id 0, then ``<|mask|>`` appended as id ``vocab``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab,
-        special_tokens=[EOT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens([MASK])
-    assert tok.token_to_id(EOT) == 0 and tok.token_to_id(MASK) == vocab
-    return tok
-
-
-def save_hf_tokenizer(tok, out_dir: str, model_max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json loadable by ``AutoTokenizer`` and vLLM."""
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=EOT,
-        pad_token=EOT,
-        additional_special_tokens=[MASK],
-        model_max_length=model_max_length,
-        clean_up_tokenization_spaces=False,
-    )
-    hf.save_pretrained(out_dir)
-    # transformers 5 writes its own class name; the classic alias loads in 4.x and 5.x alike.
-    path = os.path.join(out_dir, "tokenizer_config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
-        f.write("\n")
-
-
-# --------------------------------------------------------------------------------------------
 # 2. target
 # --------------------------------------------------------------------------------------------
 
@@ -336,86 +255,6 @@ def heldout_loss(model, stream: torch.Tensor, seq: int) -> tuple[float, int]:
     return total / count, n
 
 
-# --------------------------------------------------------------------------------------------
-# Functional Qwen3 pieces shared by the target decoder and the draft (HF / vLLM conventions)
-# --------------------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """HF/vLLM Qwen3 RMSNorm: normalise in fp32, cast back, scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape [..., head_dim] for NeoX-style (rotate-half) RoPE, as HF and vLLM Qwen3."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    f = positions.float()[..., None] * inv
-    emb = torch.cat([f, f], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos.to(x.dtype) + torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype)
-
-
-class CachedTarget:
-    """KV-cached fp32 decoder over an HF ``Qwen3ForCausalLM``'s weights that also returns the DFlash
-    context features (residual stream after each layer in ``feature_layers``)."""
-
-    def __init__(self, model, feature_layers: list[int]):
-        cfg = model.config
-        self.cfg = cfg
-        self.embed = model.model.embed_tokens.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()
-        self.norm = model.model.norm.weight.detach()
-        self.layers = [
-            {k: v.detach() for k, v in layer.state_dict().items()} for layer in model.model.layers
-        ]
-        self.feature_layers = feature_layers
-        self.theta = cfg.rope_parameters["rope_theta"]
-
-    def new_cache(self, batch: int, max_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        cfg = self.cfg
-        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        return [(torch.zeros(shape), torch.zeros(shape)) for _ in self.layers]
-
-    def forward(self, ids: torch.Tensor, start: int, cache: list):
-        """ids [B, T] at positions start..start+T-1, causal over the cached positions < start and
-        ids; writes K/V at start..start+T-1 of ``cache`` (from ``new_cache``).
-        Returns (logits [B, T, V], features [B, T, len(feature_layers) * d])."""
-        cfg, (B, T) = self.cfg, ids.shape
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        cos, sin = rope_cos_sin(torch.arange(start, start + T), hd, self.theta)
-        x = F.embedding(ids, self.embed)
-        feats = []
-        for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["input_layernorm.weight"])
-            q = rms_norm((h @ w["self_attn.q_proj.weight"].T).view(B, T, nh, hd), w["self_attn.q_norm.weight"])
-            k = rms_norm((h @ w["self_attn.k_proj.weight"].T).view(B, T, nkv, hd), w["self_attn.k_norm.weight"])
-            v = (h @ w["self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
-            q = apply_rope(q.transpose(1, 2), cos, sin)
-            kc, vc = cache[i]
-            kc[:, :, start : start + T] = apply_rope(k.transpose(1, 2), cos, sin)
-            vc[:, :, start : start + T] = v.transpose(1, 2)
-            k, v = kc[:, :, : start + T], vc[:, :, : start + T]
-            # causal with an offset: query t (absolute start+t) sees keys <= start+t
-            mask = None
-            if T > 1:
-                kpos = torch.arange(k.shape[2])
-                mask = kpos[None, :] <= (torch.arange(start, start + T)[:, None])
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-            x = x + o.transpose(1, 2).reshape(B, T, nh * hd) @ w["self_attn.o_proj.weight"].T
-            h = rms_norm(x, w["post_attention_layernorm.weight"])
-            x = x + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
-            if i in self.feature_layers:
-                feats.append(x)
-        logits = rms_norm(x, self.norm) @ self.lm_head.T
-        return logits, torch.cat(feats, dim=-1)
-
-
 @torch.no_grad()
 def generate_training_data(target: CachedTarget, stream: torch.Tensor, r: Recipe, seed: int) -> dict:
     """Target continuations of random train-stream prefixes with their context features.
@@ -454,133 +293,12 @@ def generate_training_data(target: CachedTarget, stream: torch.Tensor, r: Recipe
 # --------------------------------------------------------------------------------------------
 
 
-class DraftLayer(nn.Module):
-    """One Qwen3 decoder layer; parameter names equal the checkpoint's ``layers.i.*``."""
-
-    def __init__(self, d: int, nh: int, nkv: int, hd: int, inter: int):
-        super().__init__()
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(d, nh * hd, bias=False)
-        self.self_attn.k_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.self_attn.v_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(nh * hd, d, bias=False)
-        self.self_attn.q_norm = _Norm(hd)
-        self.self_attn.k_norm = _Norm(hd)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(d, inter, bias=False)
-        self.mlp.up_proj = nn.Linear(d, inter, bias=False)
-        self.mlp.down_proj = nn.Linear(inter, d, bias=False)
-        self.input_layernorm = _Norm(d)
-        self.post_attention_layernorm = _Norm(d)
-
-
-class _Norm(nn.Module):
-    def __init__(self, n: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight)
-
-
-class DFlashDraft(nn.Module):
-    """DFlash draft with the exact computation of vLLM 0.32 ``qwen3_dflash.py``.
-
-    Inputs per sequence: context features ``feats`` [S, T, k*d] (target layer outputs, HF
-    ``hidden_states[id+1]`` = vLLM aux capture at id+1) at positions 0..T-1, and A anchors a_j.
-    Block j is ``[x_{a_j}, MASK x (B-1)]`` at positions a_j..a_j+B-1, embedded with the TARGET's
-    embedding.
-
-      c = hidden_norm(fc(feats))                                   (combine_hidden_states + hidden_norm)
-      per layer:  context K = RoPE(k_norm(W_k c)), V = W_v c        (precompute_and_store_context_kv:
-                                                                     no input_layernorm on c)
-                  u = input_layernorm(x); Q, K, V of the block from u (q_norm/k_norm, RoPE at block pos)
-                  block j attends (non-causally) to context positions < a_j and to its own B rows
-                  x = x + o_proj(attn); x = x + mlp(post_attention_layernorm(x))
-      out = norm(x) -> TARGET lm_head; block row k (k >= 1) predicts x_{a_j + k}.
-    """
-
-    def __init__(self, r: Recipe):
-        super().__init__()
-        d = r.hidden
-        self.r = r
-        self.fc = nn.Linear(len(r.target_layer_ids) * d, d, bias=False)
-        self.hidden_norm = _Norm(d)
-        self.layers = nn.ModuleList(
-            DraftLayer(d, r.heads, r.kv_heads, r.head_dim, r.intermediate) for _ in range(r.draft_layers)
-        )
-        self.norm = _Norm(d)
-        if r.tie_k_norm:
-            for layer in self.layers[1:]:
-                layer.self_attn.k_norm = self.layers[0].self_attn.k_norm
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, std=0.02)
-
-    def forward(self, block_emb: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """block_emb [S, N, d] (N = A*B block rows), block_pos [N] or [S, N], feats [S, T, k*d]
-        (positions 0..T-1), mask [N, T + N] or [S, N, T + N] bool (True = attend).
-        Returns final hidden states [S, N, d] (before lm_head)."""
-        r = self.r
-        S, N, _ = block_emb.shape
-        T = feats.shape[1]
-        nh, nkv, hd = r.heads, r.kv_heads, r.head_dim
-        c = self.hidden_norm(self.fc(feats))
-        cos_c, sin_c = rope_cos_sin(torch.arange(T), hd, r.rope_theta)
-        cos_b, sin_b = rope_cos_sin(block_pos, hd, r.rope_theta)
-        if block_pos.dim() == 2:  # per-sequence positions -> broadcast over heads
-            cos_b, sin_b = cos_b[:, None], sin_b[:, None]
-        if mask.dim() == 3:
-            mask = mask[:, None]
-        x = block_emb
-        for layer in self.layers:
-            a = layer.self_attn
-            kc = apply_rope(a.k_norm(a.k_proj(c).view(S, T, nkv, hd)).transpose(1, 2), cos_c, sin_c)
-            vc = a.v_proj(c).view(S, T, nkv, hd).transpose(1, 2)
-            u = layer.input_layernorm(x)
-            q = apply_rope(a.q_norm(a.q_proj(u).view(S, N, nh, hd)).transpose(1, 2), cos_b, sin_b)
-            kb = apply_rope(a.k_norm(a.k_proj(u).view(S, N, nkv, hd)).transpose(1, 2), cos_b, sin_b)
-            vb = a.v_proj(u).view(S, N, nkv, hd).transpose(1, 2)
-            k = torch.cat([kc, kb], dim=2)
-            v = torch.cat([vc, vb], dim=2)
-            o = F.scaled_dot_product_attention(q, k, v.to(q.dtype), attn_mask=mask, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(S, N, nh * hd))
-            h = layer.post_attention_layernorm(x)
-            x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
-        return self.norm(x)
-
-
-def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, B: int, mask_id: int, T: int):
-    """Block token ids [S, A*B], positions [A*B] and attention mask [A*B, T + A*B] for anchors
-    shared across the S sequences. Context column t is visible to block j iff t < a_j."""
-    A = anchors.numel()
-    blk = torch.full((ids.shape[0], A, B), mask_id, dtype=torch.long)
-    blk[:, :, 0] = ids[:, anchors].long()
-    pos = (anchors[:, None] + torch.arange(B)[None]).reshape(-1)
-    ctx_ok = torch.arange(T)[None, :] < anchors[:, None]  # [A, T]
-    ctx_ok = ctx_ok.repeat_interleave(B, dim=0)  # [A*B, T]
-    blk_id = torch.arange(A).repeat_interleave(B)
-    own = blk_id[:, None] == blk_id[None, :]  # [A*B, A*B]
-    return blk.reshape(ids.shape[0], A * B), pos, torch.cat([ctx_ok, own], dim=1)
-
 
 def depth_weights(B: int, gamma: float) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for k = 1..B-1, normalised to sum 1."""
     w = torch.exp(-(torch.arange(1, B, dtype=torch.float32) - 1) / gamma)
     return w / w.sum()
 
-
-def draft_logits(draft: DFlashDraft, embed: torch.Tensor, lm_head: torch.Tensor, ids: torch.Tensor,
-                 feats: torch.Tensor, anchors: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """Logits [S, A, B-1, V] of block rows 1..B-1 for anchors shared across the batch."""
-    B = draft.r.block_size
-    T = feats.shape[1]
-    blk, pos, mask = block_inputs(ids, anchors, B, mask_id, T)
-    hidden = draft(F.embedding(blk, embed), pos, feats, mask)
-    S = ids.shape[0]
-    hidden = hidden.view(S, anchors.numel(), B, -1)[:, :, 1:]
-    return hidden @ lm_head.T.to(hidden.dtype)
 
 
 def train_draft(draft: DFlashDraft, embed, lm_head, data: dict, n_train: int, r: Recipe, mask_id: int, seed: int,
@@ -642,126 +360,7 @@ def draft_val(draft, embed, lm_head, data: dict, rows: range, r: Recipe, mask_id
 
 
 # --------------------------------------------------------------------------------------------
-# 4. acceptance evaluation (T=0 stepping, chain and DDTree)
-# --------------------------------------------------------------------------------------------
-
-
-def eval_prompts(heldout: list[tuple[str, list[int]]], n: int, seed: int, min_len: int = 64,
-                 max_len: int = 128, reserve: int = 32) -> list[tuple[str, list[int]]]:
-    """n (file, prompt ids) pairs: one per eligible held-out file in order, then random extra files;
-    prompt length uniform in [min_len, max_len], random start."""
-    rng = random.Random(seed)
-    ok = [(f, ids) for f, ids in heldout if len(ids) >= max_len + reserve]
-    picks = list(ok[:n])
-    while len(picks) < n:
-        picks.append(ok[rng.randrange(len(ok))])
-    out = []
-    for f, ids in picks:
-        L = rng.randint(min_len, max_len)
-        s = rng.randrange(0, len(ids) - L)
-        out.append((f, ids[s : s + L]))
-    return out
-
-
-def ddtree_accept(logq: torch.Tensor, ref: list[int], budget: int) -> int:
-    """Accepted depth of a best-first DDTree of ``budget`` nodes against the greedy reference.
-    logq [D, V] per-depth log-probs; score(path) = sum_i logq_i(x_i); heap pushes next sibling
-    and first child, so the tree is prefix-closed."""
-    D = logq.shape[0]
-    k = min(budget, logq.shape[1])
-    vals, idx = logq.topk(k, dim=-1)
-    vals, idx = vals.tolist(), idx.tolist()
-    nodes = set()
-    heap = [(-vals[0][0], (0,))]
-    while heap and len(nodes) < budget:
-        neg, ranks = heapq.heappop(heap)
-        nodes.add(ranks)
-        d = len(ranks)
-        if ranks[-1] + 1 < k:  # next sibling
-            heapq.heappush(heap, (neg + vals[d - 1][ranks[-1]] - vals[d - 1][ranks[-1] + 1], ranks[:-1] + (ranks[-1] + 1,)))
-        if d < D:  # first child
-            heapq.heappush(heap, (neg - vals[d][0], ranks + (0,)))
-    path: tuple[int, ...] = ()
-    depth = 0
-    for d in range(D):
-        if ref[d] not in idx[d]:
-            break
-        path = path + (idx[d].index(ref[d]),)
-        if path not in nodes:
-            break
-        depth = d + 1
-    return depth
-
-
-@torch.no_grad()
-def acceptance_eval(target_model, draft, prompts: list[tuple[str, list[int]]], r: Recipe, mask_id: int) -> dict:
-    """Greedy reference continuation (fp32 target) then T=0 stepping: anchor a = first uncommitted
-    position, draft from context < a, accept the longest matching prefix (chain) or the deepest
-    tree node on the reference path (DDTree); tau = accepted + 1; next anchor a + tau."""
-    tgt = CachedTarget(target_model, r.target_layer_ids)
-    embed, lm_head = tgt.embed, tgt.lm_head
-    D = r.block_size - 1
-    per_prompt = []
-    for f, p in prompts:
-        P = len(p)
-        L = P + r.eval_new_tokens + D
-        cache = tgt.new_cache(1, L)
-        logits, _ = tgt.forward(torch.tensor([p]), 0, cache)
-        seq = list(p)
-        for pos in range(P, L):
-            nxt = int(logits[0, -1].argmax())
-            seq.append(nxt)
-            if pos < L - 1:
-                logits, _ = tgt.forward(torch.tensor([[nxt]]), pos, cache)
-        full = torch.tensor([seq])
-        _, feats = tgt.forward(full, 0, tgt.new_cache(1, L))
-        anchors = torch.arange(P, P + r.eval_new_tokens)
-        lg = draft_logits(draft, embed, lm_head, full, feats, anchors, mask_id)[0]  # [A, D, V]
-        logq = torch.log_softmax(lg.float(), dim=-1)
-        steps = {"chain": [], **{f"tree{b}": [] for b in r.eval_budgets}}
-        for name in steps:
-            a = P
-            while a < P + r.eval_new_tokens:
-                ref = seq[a + 1 : a + 1 + D]
-                j = a - P
-                if name == "chain":
-                    acc = 0
-                    for d in range(D):
-                        if int(logq[j, d].argmax()) != ref[d]:
-                            break
-                        acc += 1
-                else:
-                    acc = ddtree_accept(logq[j], ref, int(name[4:]))
-                steps[name].append(acc)
-                a += acc + 1
-        per_prompt.append({"file": f, "prompt_len": P, "accepted": steps})
-
-    def summarize(items):
-        out = {}
-        for name in ["chain"] + [f"tree{b}" for b in r.eval_budgets]:
-            acc = [x for it in items for x in it["accepted"][name]]
-            if not acc:
-                continue
-            t = torch.tensor(acc, dtype=torch.float32)
-            out[name] = {"tau": round(float(t.mean() + 1), 4), "steps": len(acc)}
-            if name == "chain":
-                out[name]["p_accepted_ge_k"] = [round(float((t >= k).float().mean()), 4) for k in range(1, D + 1)]
-                out[name]["histogram"] = [int((t == k).sum()) for k in range(D + 1)]
-        return out
-
-    return {
-        "prompts": len(prompts),
-        "new_tokens": r.eval_new_tokens,
-        "all": summarize(per_prompt),
-        "excl_encodings": summarize([x for x in per_prompt if not x["file"].startswith("encodings/")]),
-        "per_prompt": [{"file": x["file"], "prompt_len": x["prompt_len"],
-                        "chain_tau": round(1 + sum(x["accepted"]["chain"]) / len(x["accepted"]["chain"]), 3)}
-                       for x in per_prompt],
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# 5. saving
+# 4. saving
 # --------------------------------------------------------------------------------------------
 
 
@@ -818,14 +417,6 @@ def _generations(target: "CachedTarget", stream: torch.Tensor, r: Recipe, seed: 
     log(f"generations {name}: {n_seq} sequences in {elapsed:.0f}s")
     return data, elapsed, {"sequences": n_seq, "generated_tokens": n_seq * (r.gen_len - r.gen_prefix),
                            "greedy_batch_frac": data["greedy_frac"], "val_sequences": data["n_val"], "seed": seed}
-
-
-def sha256_texts(texts: list[str]) -> str:
-    h = hashlib.sha256()
-    for t in texts:
-        h.update(t.encode("utf-8"))
-        h.update(b"\0")
-    return h.hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:
