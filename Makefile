@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-core demo bench bench-quick gpu-check gpu-check-smoke clean
+.PHONY: install test test-core demo bench bench-quick bench-serve gpu-check gpu-check-smoke clean
 
 install: $(STAMP)
 
@@ -35,6 +35,9 @@ bench: install
 
 bench-quick: install
 	$(PY) benchmarks/bench.py --quick
+
+# vllm serve side by side (no speculation, vLLM's DFlash chain, the default config), vLLM's serving client, rotated rounds
+bench-serve: install ; $(PY) benchmarks/serve_bench.py $(ARGS)
 
 widen-pair: install ; $(PY) -m vllm_ddtree.demo.widen_pair --size $(or $(SIZE),0.6b) $(ARGS)
 
