@@ -6,13 +6,14 @@ cache. Variants, interleaved round-robin in one process (rotated order each roun
   tree   DDTree's torch formulation for a branching tree of the same rows (`attention.tree_attention`,
          what layers the compiled kernel does not take run; at batch 1 vLLM's kernel is skipped, see
          `DDTreeCPUAttentionMetadata.attach_tree`);
-  compiled  DDTree's compiled kernel for the same tree (`cpu_tree_kernel.attend_tree_rows`: float32,
-         "vec" layouts).
+  compiled  DDTree's compiled kernel for the same tree (`cpu_tree_kernel.attend_tree_rows`).
 Reports, per (budget, prefix), the median [min-max] over rounds of each round's tree / chain and
 compiled / chain time ratios and the median microseconds of each. Shapes default to the embedded pair's target (4 query heads, 2 KV
-heads, head size 64, float32, vLLM's CPU block size 128); one thread, as the engine runs.
+heads, head size 64, float32, vLLM's CPU block size 128); one thread, as the engine runs. The cache
+layout is the one vLLM picks for the dtype on this CPU (`_get_attn_isa`: bfloat16 on a CPU with AMX
+tiles gets "amx"). The widened 0.6b pair's target: `--heads 16 8 64 --dtype bfloat16`.
 
-    python benchmarks/tree_attention_cpu.py [--budgets 7 32] [--prefixes 64 2048] [--rounds 30]
+    python benchmarks/tree_attention_cpu.py [--budgets 7 32] [--prefixes 64 2048] [--rounds 30] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import time
 import torch
 
 
-def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int, seed: int = 0):
+def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+              dtype: torch.dtype = torch.float32, seed: int = 0):
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -34,7 +36,6 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
     from vllm_ddtree.vllm.tree_step import TreeRows
 
     gen = torch.Generator().manual_seed(seed)
-    dtype = torch.float32
     isa = _get_attn_isa(dtype, block_size, head_size)
     rows = budget + 1
     num_blocks = -(-(prefix + rows) // block_size) + 1
@@ -42,12 +43,12 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
     key_cache, value_cache = cache.view(num_blocks, num_kv_heads, 2 * block_size, head_size).chunk(2, dim=2)
     slots = torch.arange(num_blocks * block_size)
     ops.cpu_attn_reshape_and_cache(
-        torch.randn(slots.numel(), num_kv_heads, head_size, generator=gen),
-        torch.randn(slots.numel(), num_kv_heads, head_size, generator=gen),
+        torch.randn(slots.numel(), num_kv_heads, head_size, generator=gen).to(dtype),
+        torch.randn(slots.numel(), num_kv_heads, head_size, generator=gen).to(dtype),
         key_cache, value_cache, slots, isa,
     )
-    query = torch.randn(rows, num_heads, head_size, generator=gen)
-    output = torch.empty(rows, num_heads, head_size)
+    query = torch.randn(rows, num_heads, head_size, generator=gen).to(dtype)
+    output = torch.empty(rows, num_heads, head_size, dtype=dtype)
     block_table = torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0)
     seq_lens = torch.tensor([prefix + rows], dtype=torch.int32)
     query_start_loc = torch.tensor([0, rows], dtype=torch.int32)
@@ -81,7 +82,7 @@ def make_case(budget: int, prefix: int, num_heads: int, num_kv_heads: int, head_
 
     def tree_verify() -> None:
         attended = tree_attention(query, cache, attention, layout, num_kv_heads, scale)
-        output.index_copy_(0, attention.valid_rows, attended.reshape(-1, *output.shape[1:]))
+        output.index_copy_(0, attention.valid_rows, attended.reshape(-1, *output.shape[1:]).to(dtype))
 
     def compiled() -> None:
         attend_tree_rows(output, query, kernel_cache, *attention.host_arrays, scale)
@@ -113,13 +114,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20, help="calls per variant per round")
     parser.add_argument("--heads", type=int, nargs=3, default=[4, 2, 64], metavar=("Q", "KV", "HEAD_SIZE"))
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'budget':>6} {'prefix':>6} {'chain us':>9} {'tree us':>9} {'compiled us':>11}  "
           f"tree / chain, compiled / chain: median [min-max] over {args.rounds} rounds")
     for budget in args.budgets:
         for prefix in args.prefixes:
-            seconds = interleaved(make_case(budget, prefix, *args.heads, args.block_size), args.rounds, args.calls)
+            seconds = interleaved(make_case(budget, prefix, *args.heads, args.block_size, getattr(torch, args.dtype)), args.rounds, args.calls)
             spreads = []
             for name in ("tree", "compiled"):
                 ratios = sorted(t / c for t, c in zip(seconds[name], seconds["chain"]))

@@ -8,8 +8,8 @@ computed here, once:
   called; otherwise each such request's kernel seq_len is cut to its own rows (`attach_tree`), so the
   kernel spends a few rows x rows on them, whatever the prefix length, and those rows are overwritten;
 - the request's window (prefix + nodes, whose K/V the cache already holds) is read once, in place:
-  by one compiled call per layer where it serves (`cpu_tree_kernel`: float32 or bfloat16, vLLM's "vec"
-  layouts; block by block, online softmax), else by the torch formulation (`tree_attention`): run of
+  by one compiled call per layer where it serves (`cpu_tree_kernel`: float32 or bfloat16, any of vLLM's
+  CPU layouts, "amx" included; block by block, online softmax), else by the torch formulation (`tree_attention`): run of
   consecutive cache blocks by run, through views of the paged cache (`paged_kv.block_run`: no copy for
   the "vec" layouts). Per run: logits = q k^T, the tree mask added on the window's last blocks only
   (where the nodes are), the run's softmax and its log-sum-exp; runs merge by log-sum-exp. Either way
@@ -243,9 +243,10 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
 def _kernel_serves(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, layout: Any) -> bool:
     """Whether the compiled kernel takes this layer's tree rows: it compiled, one dtype it reads
-    throughout, vLLM's "vec" cache layout, an output it can write in place."""
+    throughout, an output it can write in place (it reads every layout `probe_layout` describes; `layout`
+    is not consulted)."""
     return (query.dtype == kv_cache.dtype == output.dtype and query.dtype in cpu_tree_kernel.DTYPES and output.is_contiguous()
-            and kv_cache.is_contiguous() and cpu_tree_kernel.layout_supported(layout) and cpu_tree_kernel.available())
+            and kv_cache.is_contiguous() and cpu_tree_kernel.available())
 
 
 def tree_attention(

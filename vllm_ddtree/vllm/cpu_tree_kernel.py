@@ -9,16 +9,21 @@ vLLM's own kernel on as many chain rows; compiled, it costs about what vLLM's do
 (`benchmarks/tree_attention_cpu.py` times the three).
 
 How: per (request, KV head), the group's query rows (scaled) are copied once; then block by block of
-the window: logits = q k^T and p v as BLAS products (numba's np.dot, scipy's BLAS: keys are dim-major
-and values token-major in the "vec" layouts, so a block's keys and values are plain matrices), the tree
+the window: logits = q k^T and p v as BLAS products (numba's np.dot, scipy's BLAS: a block's keys as
+[head_size, tokens] and values as [tokens, head_size] float32 matrices, see below), the tree
 mask on the positions past the prefix, and an online softmax (running maximum and sum per row, rescaled
 accumulator), so the window is read once whatever its length. exp is computed inline (2^e times a
 degree-7 polynomial on |y| <= ln(2) / 2; within 1 ulp of float32, masked and underflowing terms exactly
 0) so that the compiler vectorizes it. The rows of padded nodes (i >= num_nodes) are not written.
 
-Taken when the kernel compiled (`available`: numba's np.dot needs scipy), the cache layout is vLLM's
-"vec" one (`layout_supported`) and query, cache and output are all float32 or all bfloat16 (widened to
-float32 block by block); otherwise the caller runs the torch formulation.
+A block's keys and values are read in place when the cache is float32 in vLLM's "vec" layouts
+(`in_place`); otherwise (bfloat16, or another layout: "amx", vLLM's choice for bfloat16 where the CPU
+has AMX tiles, packs token pairs) they are gathered into float32 scratch through the layout's offset
+tables (`paged_kv.probe_layout`), the window's positions only; widening bfloat16 is exact, so a
+gathered block holds the same values in every layout.
+
+Taken when the kernel compiled (`available`: numba's np.dot needs scipy) and query, cache and output
+are all float32 or all bfloat16; otherwise the caller runs the torch formulation.
 """
 
 from __future__ import annotations
@@ -59,9 +64,9 @@ def available() -> bool:
     return bool(_compiled_ok)
 
 
-def layout_supported(layout: RegionLayout) -> bool:
+def in_place(layout: RegionLayout) -> bool:
     """The keys of a (block, kv head) region are [head_size, block_size] and its values [block_size,
-    head_size], both row-major (vLLM's "vec" CPU layouts)."""
+    head_size], both row-major (vLLM's "vec" CPU layouts): float32 blocks are read without a copy."""
     block_size, head_size = layout.key_offsets.shape
     keys, values = layout.key_strides, layout.value_strides
     return keys is not None and values is not None and keys[1:] == (1, block_size) and values[1:] == (head_size, 1)
@@ -76,21 +81,27 @@ def vec_layout(block_size: int, head_size: int) -> RegionLayout:
 
 class LayerCache(NamedTuple):
     """One layer's CPU_ATTN cache as the kernel reads it (`layer_cache`): regions [num_blocks,
-    num_kv_heads, 2 * block_size * head_size] (bfloat16 as its bits), where a region's keys and values
-    start, and the block size. Built once per layer: the cache and its layout never change."""
+    num_kv_heads, 2 * block_size * head_size] (bfloat16 as its bits); key_index [head_size, block_size]
+    and value_index [block_size, head_size] (int32): where element (dim d, token t) of a block's keys and
+    (token t, dim d) of its values sit in its region; whether float32 blocks are read in place
+    (`in_place`); the block size. Built once per layer: the cache and its layout never change."""
 
     regions: np.ndarray
-    key_base: int
-    value_base: int
+    key_index: np.ndarray
+    value_index: np.ndarray
+    read_in_place: bool
     block_size: int
 
 
 def layer_cache(kv_cache: torch.Tensor, layout: RegionLayout) -> LayerCache:
-    """kv_cache: one layer's cache [num_blocks, num_kv_heads, block_size, 2 * head_size], contiguous, in a
-    `layout_supported` layout, float32 or bfloat16."""
+    """kv_cache: one layer's cache [num_blocks, num_kv_heads, block_size, 2 * head_size], contiguous, in
+    the layout `layout` describes (any of vLLM's CPU layouts), float32 or bfloat16."""
     num_blocks, num_kv_heads = kv_cache.shape[:2]
     regions = _host(kv_cache.view(num_blocks, num_kv_heads, -1))
-    return LayerCache(regions, int(layout.key_strides[0]), int(layout.value_strides[0]), layout.block_size)
+    key_index = np.ascontiguousarray(layout.key_offsets.t().numpy(), dtype=np.int32)
+    value_index = np.ascontiguousarray(layout.value_offsets.numpy(), dtype=np.int32)
+    read_in_place = kv_cache.dtype == torch.float32 and in_place(layout)
+    return LayerCache(regions, key_index, value_index, read_in_place, layout.block_size)
 
 
 def attend_tree_rows(
@@ -122,6 +133,40 @@ def _host(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy() if tensor.dtype == torch.float32 else tensor.view(torch.uint16).numpy()
 
 
+def _gather(region: np.ndarray, index: np.ndarray, tokens: int, token_axis: int, scratch: np.ndarray) -> np.ndarray:
+    """region[index] as float32 (region float32, or bfloat16 bits: uint16) for the first `tokens`
+    positions along token_axis (0 or 1) of index: [tokens, index.shape[1]] or [index.shape[0], tokens],
+    a row-major view of the flat float32 scratch (at least index.size long)."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_gather, jit_options={"fastmath": _FASTMATH})
+def _gather_compiled(region, index, tokens, token_axis, scratch):  # (unannotated: numba matches its signature to the implementations')
+    if region.dtype == types.float32:
+        def copy(region, index, tokens, token_axis, scratch):
+            outer, inner = (index.shape[0], tokens) if token_axis == 1 else (tokens, index.shape[1])
+            out = scratch[: outer * inner].reshape((outer, inner))
+            for i in range(outer):
+                positions, row = index[i], out[i]
+                for j in range(inner):
+                    row[j] = region[positions[j]]
+            return out
+
+        return copy
+
+    def widen(region, index, tokens, token_axis, scratch):
+        outer, inner = (index.shape[0], tokens) if token_axis == 1 else (tokens, index.shape[1])
+        out = scratch[: outer * inner].reshape((outer, inner))
+        bits = out.view(np.uint32)
+        for i in range(outer):
+            positions, row = index[i], bits[i]
+            for j in range(inner):
+                row[j] = np.uint32(region[positions[j]]) << np.uint32(16)
+        return out
+
+    return widen
+
+
 def _as_float32(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     """values (float32, or bfloat16 bits: uint16) as float32: values themselves, or widened into scratch
     (float32, as large) and returned from it."""
@@ -129,7 +174,7 @@ def _as_float32(values: np.ndarray, scratch: np.ndarray) -> np.ndarray:
 
 
 @overload(_as_float32, jit_options={"fastmath": _FASTMATH})
-def _as_float32_compiled(values, scratch):  # (unannotated: numba matches its signature to the implementations')
+def _as_float32_compiled(values, scratch):  # (unannotated, as `_gather_compiled`)
     if values.dtype == types.float32:
         return lambda values, scratch: values
 
@@ -140,6 +185,27 @@ def _as_float32_compiled(values, scratch):  # (unannotated: numba matches its si
         return scratch
 
     return widen
+
+
+def _block(region: np.ndarray, index: np.ndarray, tokens: int, token_axis: int, read_in_place: bool,
+           scratch: np.ndarray) -> np.ndarray:
+    """One block's keys (token_axis 1) or values (token_axis 0) as float32: the whole block (index's
+    shape), a view of a float32 region, when read_in_place (index is then one affine row-major range),
+    else its first `tokens` positions (`_gather`), so that no product spans positions past the window."""
+    raise NotImplementedError("compiled only")
+
+
+@overload(_block, jit_options={"fastmath": _FASTMATH})
+def _block_compiled(region, index, tokens, token_axis, read_in_place, scratch):  # (unannotated, as `_gather_compiled`)
+    if region.dtype == types.float32:
+        def block(region, index, tokens, token_axis, read_in_place, scratch):
+            if read_in_place:
+                base = index[0, 0]
+                return region[base : base + index.size].reshape(index.shape)
+            return _gather(region, index, tokens, token_axis, scratch)
+
+        return block
+    return lambda region, index, tokens, token_axis, read_in_place, scratch: _gather(region, index, tokens, token_axis, scratch)
 
 
 def _store(target: np.ndarray, values: np.ndarray, factor: float) -> None:
@@ -168,7 +234,8 @@ def _store_compiled(target, values, factor):  # (unannotated, as `_as_float32_co
 
 @_compiled
 def _tree_attention(
-    query: np.ndarray, cache: np.ndarray, key_base: int, value_base: int, block_size: int, block_table: np.ndarray,
+    query: np.ndarray, cache: np.ndarray, key_index: np.ndarray, value_index: np.ndarray, read_in_place: bool, block_size: int,
+    block_table: np.ndarray,
     req_indices: np.ndarray, starts: np.ndarray, num_nodes: np.ndarray, ancestor_mask: np.ndarray, node_rows: np.ndarray,
     scale: float, output: np.ndarray,
 ) -> None:
@@ -177,14 +244,14 @@ def _tree_attention(
     group = num_heads // num_kv_heads
     exponent_bits = np.empty(block_size, np.int32)  # scratch whose size no request changes
     query_row = np.empty(head_size, np.float32)
-    keys_scratch = np.empty((head_size, block_size), np.float32)
-    values_scratch = np.empty((block_size, head_size), np.float32)
+    keys_scratch = np.empty(head_size * block_size, np.float32)
+    values_scratch = np.empty(block_size * head_size, np.float32)
     for t in range(starts.shape[0]):
         nodes, start, request = num_nodes[t], starts[t], req_indices[t]
         window = start + nodes
         rows = group * nodes  # row r: node r // group, query head h * group + r % group
         q = np.empty((rows, head_size), np.float32)
-        logits = np.empty((rows, block_size), np.float32)
+        logits_buffer = np.empty(rows * block_size, np.float32)
         probs = np.empty((rows, block_size), np.float32)
         acc = np.empty((rows, head_size), np.float32)
         partial = np.empty((rows, head_size), np.float32)
@@ -200,11 +267,11 @@ def _tree_attention(
             totals[:] = 0.0
             for b in range((window + block_size - 1) // block_size):
                 region = cache[block_table[request, b], h]
-                keys_t = _as_float32(region[key_base : key_base + head_size * block_size].reshape((head_size, block_size)), keys_scratch)
-                values = _as_float32(region[value_base : value_base + block_size * head_size].reshape((block_size, head_size)),
-                                     values_scratch)
                 first = b * block_size
                 tokens = min(block_size, window - first)
+                keys_t = _block(region, key_index, tokens, 1, read_in_place, keys_scratch)
+                values = _block(region, value_index, tokens, 0, read_in_place, values_scratch)
+                logits = logits_buffer[: rows * keys_t.shape[1]].reshape((rows, keys_t.shape[1]))
                 _attend_block(q, keys_t, values, tokens, first - start, ancestor_mask[t], group, logits, probs, partial, acc, maxima,
                               totals, exponent_bits)
             for r in range(rows):
@@ -219,9 +286,10 @@ def _attend_block(
 ) -> None:
     """Fold the block's first `tokens` positions into every row's online softmax; position k of the block
     is node k + offset when k + offset >= 0 (seen iff the row's node has it on its mask row), else prefix.
-    Both products are BLAS calls (numba's np.dot): logits over the whole block (the logits of positions
-    past `tokens` are never read), the probabilities [rows, tokens] (a contiguous prefix of `probs`)
-    times the block's first `tokens` values, so no position past the window is read."""
+    Both products are BLAS calls (numba's np.dot): logits [rows, keys_t's columns] over the block's
+    positions keys_t holds (the whole block or its first `tokens`; logits past `tokens` are never read),
+    the probabilities [rows, tokens] (a contiguous prefix of `probs`) times the block's first `tokens`
+    values, so no position past the window is read."""
     rows, head_size = q.shape
     np.dot(q, keys_t, logits)
     probs = probs.ravel()[: rows * tokens].reshape((rows, tokens))
