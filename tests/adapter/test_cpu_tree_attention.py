@@ -115,22 +115,21 @@ def test_tree_attention_equals_masked_sdpa_reference(problem):
     if isa == "vec":  # the layout the kernel's warm-up and tests describe is the one vLLM writes
         described = vec_layout(block_size, head_size)
         assert torch.equal(layout.key_offsets, described.key_offsets) and torch.equal(layout.value_offsets, described.value_offsets)
-    # the compiled kernel, where it serves: the same rows, written in place; no other row touched
+    # the compiled kernel serves every layout vLLM writes: the same rows, written in place; no other row touched
     output = torch.full_like(query, float("nan"))
-    assert _kernel_serves(query, cache, output, layout) == (isa == "vec")
-    if _kernel_serves(query, cache, output, layout):
-        fused = torch.randn(num_rows, 3 * num_heads, head_size, generator=gen).to(dtype)  # a view of a fused projection
-        fused[:, :num_heads] = query
-        for q in (query, fused[:, :num_heads]):
-            output.fill_(float("nan"))
-            attend_tree_rows(output, q, layer_cache(cache, layout), *tree.host_arrays, scale)
-            if dtype == torch.float32:
-                torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
-            else:  # computed in float32, rounded to bfloat16 (half an ulp: 2^-9 relative)
-                torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=1e-4, rtol=4e-3)
-            untouched = torch.ones(num_rows, dtype=torch.bool)
-            untouched[tree.valid_rows] = False
-            assert bool(output[untouched].isnan().all())
+    assert _kernel_serves(query, cache, output, layout)
+    fused = torch.randn(num_rows, 3 * num_heads, head_size, generator=gen).to(dtype)  # a view of a fused projection
+    fused[:, :num_heads] = query
+    for q in (query, fused[:, :num_heads]):
+        output.fill_(float("nan"))
+        attend_tree_rows(output, q, layer_cache(cache, layout), *tree.host_arrays, scale)
+        if dtype == torch.float32:
+            torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=2e-5, rtol=2e-5)
+        else:  # computed in float32, rounded to bfloat16 (half an ulp: 2^-9 relative)
+            torch.testing.assert_close(output[tree.valid_rows].double(), expected, atol=1e-4, rtol=4e-3)
+        untouched = torch.ones(num_rows, dtype=torch.bool)
+        untouched[tree.valid_rows] = False
+        assert bool(output[untouched].isnan().all())
 
 
 def test_windows_split_into_runs_of_consecutive_blocks():
