@@ -29,17 +29,25 @@ Rules:
   and with probability `explore` a random rival is probed (seeded), so the policy is never stuck.
 - At batch 1 a shape not measured for a while is expected to commit what it commits over longer
   stretches (`expected_tokens`): the text's dips end, and off, while it holds, measures nothing else.
+- Start from measured costs. Costs timed when the engine starts (`seed_costs`: the target's forward
+  and the draft pass, per batch size) stand in for a shape not yet timed in a bucket, shifted by the
+  per-step overhead the bucket's timed shapes show over their own start-up costs (`_prior_cost`): the
+  start-up table times forwards, not whole engine steps. A shape with a start-up cost and a token
+  estimate has a rate before it runs, so a bucket ranks its shapes from its first step instead of
+  probing the references and climbing; its own timed steps then replace the start-up cost. Without a
+  start-up table (`prior` empty) every rule above holds as stated.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm_ddtree.core.budget.estimators import DecayedMean, RecentMedian, SampleSpread
-from vllm_ddtree.core.budget.shapes import OFF, TreeShape, batch_bucket, batch_of, step_bucket
+from vllm_ddtree.core.budget.shapes import BATCH_BUCKETS, OFF, TreeShape, batch_bucket, batch_of, step_bucket
 
 SPEED_WINDOW = 3
 """Steps the machine's speed is the median of (`AdaptiveBudget._time`): shorter than a shape's cost
@@ -65,6 +73,12 @@ Counted in the bucket's own steps, not the engine's: the speed its held shape me
 again carries the drift over the time it did not run, and a bucket visited now and then (an offline
 batch between many batch-1 steps) would otherwise re-time its rivals on most visits, where a probe of
 speculation costs several off steps and the switches."""
+
+STARTUP_RETIME_STEPS = 32
+"""A rival known by its start-up cost alone (`seed_costs`) is timed once older than this many of its
+bucket's steps, times the square of how far it is behind (`_retime_after`), instead of
+RETIME_AFTER_STEPS: a start-up cost times forwards, and the per-step overhead carried over from other
+shapes (`_prior_cost`) cannot see work a shape alone does, so it is less sure than a timing of its own."""
 
 CONFIDENCE = 0.75
 """Standard errors above its token estimate at which a rival is doubted at batch 1 (`_doubted`): a step
@@ -154,6 +168,21 @@ class AdaptiveBudget:
     _bucket_steps: dict[int, int] = field(default_factory=dict)
     _new_text: bool = False
     _probe: ProbeCharge | None = None
+    prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
+    """Start-up costs (`seed_costs`): seconds of a step of a shape, by batch bucket (`batch_of`) and shape."""
+    _offsets: dict[int, tuple[float, float] | None] = field(default_factory=dict)
+    """Per bucket, the step overhead over the start-up costs of (off, speculation) (`_prior_offsets`),
+    cleared whenever a cost is timed."""
+
+    def seed_costs(self, seconds: dict[tuple[int, TreeShape], float]) -> None:
+        """Start from costs timed when the engine starts: seconds[(num_requests, shape)] of a step of `shape`
+        at `num_requests` requests (the module's last rule). Entries of shapes not in `shapes`, and times
+        that are no step's (`STEP_SECONDS`), are left out; of several batch sizes in one bucket, the
+        largest's."""
+        for (num_requests, shape), value in sorted(seconds.items(), key=lambda item: item[0][0]):
+            if shape in self.shapes and STEP_SECONDS[0] <= value <= STEP_SECONDS[1]:
+                self.prior[batch_bucket(num_requests), shape] = value
+        self._offsets.clear()
 
     def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:
         """The shape of this step's trees for a batch of `num_requests` requests holding `context_tokens`
@@ -235,6 +264,8 @@ class AdaptiveBudget:
         before any shape measured the speed, or divided by a speed a slow spell left behind when the
         held best changed), and diluted by the re-timing's one or two steps they would need several
         re-timings, RETIME_AFTER_STEPS or more apart, to leave the median."""
+        if self.prior:
+            self._offsets.clear()
         speed, costs = self.speed.get(bucket), self.costs.get((bucket, used))
         if speed is None:
             speed = self.speed[bucket] = RecentMedian(SPEED_WINDOW)
@@ -252,12 +283,62 @@ class AdaptiveBudget:
             costs.add(seconds / (speed.median if speed.values else 1.0), step)
 
     def seconds(self, bucket: int, shape: TreeShape) -> float | None:
-        """A step of `shape` in `bucket` at the machine's speed now (None until timed)."""
-        costs = self.costs.get((bucket, shape))
-        if costs is None or not costs.values:
+        """A step of `shape` in `bucket` at the machine's speed now (None until timed, unless the start-up
+        table has it: `_prior_cost`)."""
+        cost = self._cost_of(bucket, shape)
+        if cost is None:
             return None
         speed = self.speed.get(bucket)
-        return costs.median * (speed.median if speed is not None and speed.values else 1.0)
+        return cost * (speed.median if speed is not None and speed.values else 1.0)
+
+    def _cost_of(self, bucket: int, shape: TreeShape) -> float | None:
+        """The cost of a step of `shape` in `bucket` (seconds at the speed its costs are kept in): the
+        median of its timed steps, else its start-up cost shifted (`_prior_cost`), else None."""
+        costs = self.costs.get((bucket, shape))
+        if costs is not None and costs.values:
+            return costs.median
+        return self._prior_cost(bucket, shape) if self.prior else None
+
+    def _prior_cost(self, bucket: int, shape: TreeShape) -> float | None:
+        """The start-up cost of `shape` at this bucket's batch size plus the step overhead of its kind
+        (`_prior_offsets`), at least the start-up cost's tenth; None without one. The start-up table times
+        the target's forward and the draft pass, not the engine's step around them (scheduling, input
+        preparation, sampling, the trees' host work), which adds about as much to every shape of a kind;
+        so an offset per kind, not a factor, carries a timed shape's step over to its untimed rivals."""
+        prior = self.prior.get((batch_of(bucket), shape))
+        if prior is None:
+            return None
+        offsets = self._prior_offsets(bucket)
+        offset = 0.0 if offsets is None else offsets[0] if shape.is_off else offsets[1]
+        return max(prior + offset, 0.1 * prior)
+
+    def _prior_offsets(self, bucket: int) -> tuple[float, float] | None:
+        """(off's, speculation's) step overhead over their start-up costs: the median, over the shapes of a
+        kind timed in this bucket, of their cost less their start-up cost; a kind none of whose shapes is
+        timed here takes the other kind's. A bucket where no shape with a start-up cost is timed takes the
+        nearest such bucket's offsets (same context bucket first; a batch's per-step overhead grows
+        with it, but less than its costs do); None where no bucket has any."""
+        if bucket in self._offsets:
+            return self._offsets[bucket]
+        offsets = self._own_offsets(bucket)
+        if offsets is None:
+            timed = {b for b, _ in self.costs if b != bucket}
+            nearest = sorted(timed, key=lambda b: (b // BATCH_BUCKETS != bucket // BATCH_BUCKETS, abs(batch_of(b) - batch_of(bucket)), b))
+            offsets = next((found for b in nearest if (found := self._own_offsets(b)) is not None), None)
+        self._offsets[bucket] = offsets
+        return offsets
+
+    def _own_offsets(self, bucket: int) -> tuple[float, float] | None:
+        """`_prior_offsets` from this bucket's timed shapes alone (None if none has a start-up cost)."""
+        kinds: tuple[list[float], list[float]] = ([], [])
+        for shape in self.shapes:
+            costs, prior = self.costs.get((bucket, shape)), self.prior.get((batch_of(bucket), shape))
+            if costs is not None and costs.values and prior is not None:
+                kinds[0 if shape.is_off else 1].append(costs.median - prior)
+        off, speculative = (statistics.median(kind) if kind else None for kind in kinds)
+        if off is None and speculative is None:
+            return None
+        return (off if off is not None else speculative, speculative if speculative is not None else off)  # type: ignore[return-value]
 
     def best_shape(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape | None:
         """The shape this batch's bucket holds as its best (None until it has measurements). Not read by
@@ -356,7 +437,7 @@ class AdaptiveBudget:
         overdue_retime = rival is None
         if rival is None:
             now = self._bucket_steps.get(bucket, 0)
-            overdue = {i: (now - self.costs[(bucket, self.shapes[i])].last_step) / self._retime_after(rates, best, i) for i in timed}
+            overdue = {i: (now - self._timed_at(bucket, i)) / self._retime_after(rates, best, i, self._untimed(bucket, i)) for i in timed}
             rival = max(overdue, key=overdue.get, default=None)
             if rival is None or overdue[rival] <= 1:
                 return None
@@ -368,6 +449,17 @@ class AdaptiveBudget:
             self._retimed.add((bucket, self.shapes[rival]))
         return rival
 
+    def _timed_at(self, bucket: int, shape: int) -> int:
+        """The bucket step of the last timing of `shape` in `bucket`; 0 for a shape known by its start-up cost
+        alone (a timing taken before the bucket's first step)."""
+        costs = self.costs.get((bucket, self.shapes[shape]))
+        return costs.last_step if costs is not None else 0
+
+    def _untimed(self, bucket: int, shape: int) -> bool:
+        """`shape` has no timed step in `bucket` (its seconds, if any, are its start-up cost's)."""
+        costs = self.costs.get((bucket, self.shapes[shape]))
+        return costs is None or not costs.values
+
     def _charge(self, bucket: int, rival: int, seconds: float) -> None:
         """Charge `seconds`, the cost of a probe of `rival` picked now, to the bucket's re-probe credit as
         its steps run (`ProbeCharge`); the credit may go negative (a new request's re-measurement and
@@ -375,18 +467,20 @@ class AdaptiveBudget:
         steps = max(1, self.probe_hold)
         self._probe = ProbeCharge(bucket, self.shapes[rival], seconds / steps, steps, steps + 1)
 
-    def _retime_after(self, rates: dict[int, float], best: int, rival: int) -> float:
+    def _retime_after(self, rates: dict[int, float], best: int, rival: int, startup: bool = False) -> float:
         """Bucket steps after which `rival`'s timing is re-taken: RETIME_AFTER_STEPS, times the square of
         how many times the held best's rate exceeds the rival's (at least 1). Timings are paired (`_time`),
         so the machine's drift moves all shapes' seconds alike and what ages is only their ratio, which
         drifts little: the further a rival is behind, the less likely drift alone lifts it over the best
         (a stale token estimate is `_doubted`'s to re-measure), and a probe of a shape far behind is the
         costliest. Off is re-timed at RETIME_AFTER_STEPS: its step is the cheapest there is and its
-        tokens are exact, so only a slow timing can make it look behind."""
-        if self.shapes[rival].is_off:
-            return RETIME_AFTER_STEPS
+        tokens are exact, so only a slow timing can make it look behind. A rival known by its start-up
+        cost alone (`startup`): STARTUP_RETIME_STEPS instead of RETIME_AFTER_STEPS."""
+        steps = STARTUP_RETIME_STEPS if startup else RETIME_AFTER_STEPS
+        if self.shapes[rival].is_off and not startup:
+            return steps
         behind = max(1.0, _ratio(rates[best], rates[rival]))
-        return RETIME_AFTER_STEPS * behind * behind  # (a product: inf where a power would raise on overflow)
+        return steps * behind * behind  # (a product: inf where a power would raise on overflow)
 
     def _doubted(self, bucket: int, rates: dict[int, float], best: int, rivals: list[int]) -> int | None:
         """The rival whose upper confidence rate beats the held best by the margin a switch needs, by the
@@ -439,10 +533,10 @@ class AdaptiveBudget:
         make its re-timing rarer."""
         if self.shapes[shape].is_off:
             return 1.0
-        mine, theirs = self.costs.get((bucket, self.shapes[shape])), self.costs.get((bucket, self.shapes[best]))
-        if mine is None or theirs is None or not mine.values or not theirs.values or theirs.median <= 0:
+        mine, theirs = self._cost_of(bucket, self.shapes[shape]), self._cost_of(bucket, self.shapes[best])
+        if mine is None or theirs is None or theirs <= 0:
             return 1.0
-        return max(1.0, mine.median / theirs.median)
+        return max(1.0, mine / theirs)
 
     def _rates(self, bucket: int) -> dict[int, float]:
         """Rates of this bucket by index in `shapes`: the measured ones, speculative shapes' discounted by

@@ -26,6 +26,15 @@ class SamplingRegimes:
     shapes: list[TreeShape]
     policies: dict[bool, AdaptiveBudget] = field(default_factory=dict)
     greedy: bool = True
+    startup_costs: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
+    """Costs timed when the engine starts, seconds[(num_requests, shape)], every regime's policy starts
+    from (`AdaptiveBudget.seed_costs`): step costs follow the batch, not the sampling."""
+
+    def seed_costs(self, seconds: dict[tuple[int, TreeShape], float]) -> None:
+        """Start every regime's policy, made or to be made, from these start-up costs."""
+        self.startup_costs = dict(seconds)
+        for policy in self.policies.values():
+            policy.seed_costs(self.startup_costs)
 
     def use(self, greedy: bool) -> None:
         """This step's batch is greedy (every request at T = 0), or samples."""
@@ -37,6 +46,7 @@ class SamplingRegimes:
         policy = self.policies.get(self.greedy)
         if policy is None:
             policy = self.policies[self.greedy] = AdaptiveBudget(self.shapes)
+            policy.seed_costs(self.startup_costs)
         return policy
 
     def choose(self, num_requests: int, context_tokens: float = 0.0) -> TreeShape:

@@ -1,0 +1,135 @@
+"""The adaptive policy started from costs timed when the engine starts (`AdaptiveBudget.seed_costs`):
+a bucket ranks its shapes from its first step, its own timed steps replace the start-up costs, and a
+policy without a start-up table keeps every rule (tests/core/test_budget.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_ddtree.core.budget import OFF, AdaptiveBudget, SamplingRegimes, TreeShape, candidate_shapes, step_bucket
+from tests.core.test_budget import reported_shapes
+
+SHAPES = candidate_shapes(16, 7)  # off, tree of 4, chain of 7, trees of 8 and 16
+CHAIN = TreeShape(7, 1)
+TOKENS = {OFF: 1.0, TreeShape(4): 2.2, CHAIN: 2.4, TreeShape(8): 2.8, TreeShape(16): 3.0}
+"""Tokens per request and step of each shape."""
+STEP_SECONDS = {
+    1: {OFF: 0.003, TreeShape(4): 0.0055, CHAIN: 0.0058, TreeShape(8): 0.006, TreeShape(16): 0.007},
+    12: {OFF: 0.006, TreeShape(4): 0.016, CHAIN: 0.02, TreeShape(8): 0.022, TreeShape(16): 0.04},
+}
+"""Engine step seconds per batch size: at batch 1 a tree of 8 commits the most per second (467 tokens/s
+against off's 333), at batch 12 off (167 against the tree of 4's 138, before the batched discount)."""
+OVERHEAD = 0.001
+"""The engine's per-step work the start-up table does not time (its steps are forwards)."""
+
+
+def startup_table(batches=(1, 12)) -> dict[tuple[int, TreeShape], float]:
+    """What the engine's start-up timing would give: each step's seconds less the engine's overhead."""
+    return {(batch, shape): STEP_SECONDS[batch][shape] - OVERHEAD for batch in batches for shape in SHAPES}
+
+
+def fastest(batch: int, discount: float = 0.0) -> TreeShape:
+    def rate(shape: TreeShape) -> float:
+        return TOKENS[shape] / STEP_SECONDS[batch][shape] * (1.0 if shape.is_off else 1 - discount)
+
+    return max(SHAPES, key=rate)
+
+
+def learn_tokens(policy: AdaptiveBudget) -> None:
+    """One untimed step of the tree of 16 at batch 1 (a shape's first step in a bucket is never timed):
+    it reports the tokens of every shape nested in it, and times nothing."""
+    policy.observe(1, TreeShape(16), None, {s: TOKENS[s] for s in reported_shapes(SHAPES, TreeShape(16))})
+
+
+def run(policy: AdaptiveBudget, batch: int, steps: int, seconds: dict[TreeShape, float] | None = None) -> list[TreeShape]:
+    seconds = STEP_SECONDS[batch] if seconds is None else seconds
+    chosen = []
+    for _ in range(steps):
+        shape = policy.choose(batch)
+        chosen.append(shape)
+        policy.observe(batch, shape, seconds[shape], {s: TOKENS[s] * batch for s in reported_shapes(SHAPES, shape)})
+    return chosen
+
+
+def test_a_seeded_policy_takes_the_cheapest_shape_per_token_from_its_first_step():
+    """Batch 1: with the start-up costs and the tokens of one untimed step, the first choice is the tree
+    of 8, the fastest, and it is held from then on without timing the references (off, the chain) or the
+    trees below it (the tree of 16, measured on one step of text, is re-measured as a doubted rival, a
+    rule of its own). The same policy without start-up costs first times off and the chain: what the
+    table saves."""
+    assert fastest(1) == TreeShape(8)
+    seeded = AdaptiveBudget(SHAPES, explore=0.0)
+    seeded.seed_costs(startup_table())
+    learn_tokens(seeded)
+    chosen = run(seeded, 1, 40)
+    assert chosen[0] == TreeShape(8) and seeded.best_shape(1) == TreeShape(8)
+    assert set(chosen) == {TreeShape(8), TreeShape(16)}
+    unseeded = AdaptiveBudget(SHAPES, explore=0.0)
+    learn_tokens(unseeded)
+    assert {OFF, CHAIN} <= set(run(unseeded, 1, 40))  # the references timed
+
+
+def test_a_seeded_policy_turns_speculation_off_at_a_large_batch_from_its_first_step():
+    """Batch 12 (tokens pooled from batch 1): off is the fastest, and the seeded policy runs it from its
+    first step of the bucket; unseeded, the bucket times off, the chain and the leader's neighbours
+    first (speculative steps at several times off's cost)."""
+    assert fastest(12) == OFF
+    seeded = AdaptiveBudget(SHAPES, explore=0.0)
+    seeded.seed_costs(startup_table())
+    learn_tokens(seeded)
+    chosen = run(seeded, 12, 60)
+    assert chosen[0] == OFF
+    assert set(chosen) == {OFF}
+    unseeded = AdaptiveBudget(SHAPES, explore=0.0)
+    learn_tokens(unseeded)
+    assert sum(not s.is_off for s in run(unseeded, 12, 60)) >= 4
+
+
+def test_the_start_up_costs_are_shifted_by_the_step_overhead_the_bucket_measures():
+    """Once off is timed at batch 1, an untimed shape's seconds are its start-up cost plus the overhead
+    off's timed steps show over off's start-up cost (an offset, not a factor: the table times forwards,
+    and the engine's step adds about as much to every shape)."""
+    policy = AdaptiveBudget(SHAPES, explore=0.0)
+    policy.seed_costs(startup_table())
+    bucket = step_bucket(1, 0.0)
+    assert policy.seconds(bucket, TreeShape(8)) == pytest.approx(STEP_SECONDS[1][TreeShape(8)] - OVERHEAD)
+    for _ in range(3):  # the first step untimed
+        policy.observe(1, OFF, STEP_SECONDS[1][OFF], {OFF: 1.0})
+    assert policy.seconds(bucket, OFF) == pytest.approx(STEP_SECONDS[1][OFF])
+    assert policy.seconds(bucket, TreeShape(8)) == pytest.approx(STEP_SECONDS[1][TreeShape(8)])
+    # a bucket with nothing timed borrows the nearest timed bucket's offsets
+    assert policy.seconds(step_bucket(12, 0.0), TreeShape(4)) == pytest.approx(STEP_SECONDS[12][TreeShape(4)])
+
+
+def test_timed_steps_replace_start_up_costs_that_are_wrong():
+    """The start-up table says the tree of 8 is the fastest at batch 1; in the engine its step costs twice
+    that (a path the table's forwards miss) and the chain is the fastest. The policy starts on the tree,
+    times it, times the chain, which its start-up cost puts close behind, within STARTUP_RETIME_STEPS
+    steps or so, and moves to it."""
+    seconds = dict(STEP_SECONDS[1]) | {TreeShape(8): 0.012, TreeShape(16): 0.014}
+    best = max(SHAPES, key=lambda s: TOKENS[s] / seconds[s])
+    assert best == CHAIN
+    policy = AdaptiveBudget(SHAPES, explore=0.0)
+    policy.seed_costs(startup_table())
+    learn_tokens(policy)
+    chosen = run(policy, 1, 200, seconds)
+    assert chosen[0] == TreeShape(8)
+    assert chosen.index(CHAIN) < 60
+    assert policy.best_shape(1) == CHAIN and TreeShape(8) not in chosen[-100:]
+
+
+def test_every_regime_starts_from_the_start_up_costs():
+    regimes = SamplingRegimes(SHAPES)
+    greedy = regimes.policy
+    regimes.seed_costs(startup_table())
+    regimes.use(greedy=False)
+    for policy in (greedy, regimes.policy):
+        assert policy.seconds(step_bucket(12, 0.0), OFF) == pytest.approx(STEP_SECONDS[12][OFF] - OVERHEAD)
+
+
+def test_start_up_costs_of_unknown_shapes_or_no_step_are_left_out():
+    policy = AdaptiveBudget(SHAPES)
+    policy.seed_costs({(1, TreeShape(32)): 0.01, (1, OFF): math.nan, (1, CHAIN): -1.0, (1, TreeShape(4)): 0.004})
+    assert policy.prior == {(0, TreeShape(4)): 0.004}
