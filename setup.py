@@ -16,7 +16,8 @@ setup(
         # GPUs: the releases vllm_ddtree.SUPPORTED_VLLM runs (0.32.0, 0.33.x on vLLM's V1 runner). 0.34 is left out
         # although vllm_ddtree knows it: it deleted the V1 runner and is refused at start, and pip would pick it.
         "gpu": ["vllm>=0.32.0,<0.34"],
-        "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib"],
+        # pandas: imported by vLLM's serving client, which benchmarks/serve_bench.py runs.
+        "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib", "pandas"],
     },
     entry_points={
         "vllm.general_plugins": ["ddtree = vllm_ddtree.vllm.plugin:register"],
