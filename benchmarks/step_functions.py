@@ -6,9 +6,7 @@ are installed in each engine-core process (`vllm_ddtree.demo.function_timers`) a
 warm-up round and at the end. The table gives, per function, the seconds each engine spent in it over
 the timed rounds and its calls, and the difference to the first variant; the first line gives the
 median [min-max] per-round ratio of the variants' whole passes (prefill + decode), the engines' speed
-on the same work. Found with it: the adaptive policy drew its exploration from a torch generator, whose
-draw cost ~300 us per pick inside the engine (batch 16, off held: 116 -> 28 us per step once drawn
-from Python's generator).
+on the same work.
 
     python benchmarks/step_functions.py [--variants none default] [--batch 16] [--temperature 1]
         [--prompts 16] [--max-tokens 64] [--context short] [--rounds 10] [--functions ...]
