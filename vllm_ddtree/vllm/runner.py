@@ -43,6 +43,7 @@ from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, Mi
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.core import (
+    AdaptiveBudget,
     BudgetPolicy,
     SamplingRegimes,
     StepClock,
@@ -72,6 +73,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
+from vllm_ddtree.vllm.startup_costs import time_step_costs
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -143,6 +145,32 @@ class DDTreeRunnerMixin:
     @speculative_config.setter
     def speculative_config(self, value: Any) -> None:
         self._speculative_config = value
+
+    startup_costs: dict[tuple[int, TreeShape], float] | None = None
+    """Step costs timed when the engine started, seconds[(batch size, shape)] (`time_startup_costs`);
+    None when not timed (no adaptive policy)."""
+    startup_seconds = 0.0
+    """How long that timing took."""
+
+    def time_startup_costs(self) -> None:
+        """Time the step costs of the budget policy's shapes (`startup_costs.time_step_costs`) and start the
+        policy from them. The worker calls it once the KV cache is allocated and vLLM's warm-up is done;
+        without an adaptive policy (`ddtree_adaptive` false, or a policy set by hand) it does nothing."""
+        policy = self.drafter.budget_policy
+        if not isinstance(policy, (SamplingRegimes, AdaptiveBudget)):
+            return
+        enabled, self.stage_times.enabled = self.stage_times.enabled, False  # dummy passes are no step's stages
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self.startup_costs = time_step_costs(self, policy.shapes)
+        finally:
+            self.stage_times.enabled = enabled
+        self.startup_seconds = time.perf_counter() - start
+        policy.seed_costs(self.startup_costs)
+        batches = sorted({batch for batch, _ in self.startup_costs})
+        logger.info("method 'ddtree': step costs of %d shapes timed at batch sizes %s in %.2f s (the budget policy starts from them)",
+                    len(policy.shapes), batches, self.startup_seconds)
 
     def use_budget_policy(self, policy: BudgetPolicy) -> None:
         """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""

@@ -1,0 +1,142 @@
+"""Step costs timed when the engine starts: where the adaptive budget policy starts from
+(`AdaptiveBudget.seed_costs`), instead of paying its first steps to time shapes one by one.
+
+What is timed, with dummy inputs, per batch size b (one per batch bucket of the policy, `BATCHES`, up
+to max_num_seqs):
+- the target: its forward over b x rows tokens (vLLM's `_dummy_run`, attention metadata built, the
+  drafter not run) and its LM head over the rows a step samples (b for off, every row otherwise), for
+  the rows each candidate shape verifies: 1 (off), 1 + depth (the chain), 1 + n (a tree of n nodes);
+- the draft, once per b: every speculative shape drafts the same depth (`DDTreeProposer.propose`), so
+  one pass (DFlash's `dummy_run` over b x (1 + depth) rows: the context store and the block pass) and
+  its LM head and top-k over b x depth rows serve them all;
+- the trees' host build, per speculative shape (its cost grows with the nodes).
+A shape's start-up cost at b is the sum of its parts. The engine's step around them (scheduling, input
+preparation, sampling, the walk) is not timed here: the policy adds the overhead its timed steps show
+(`AdaptiveBudget._prior_cost`).
+
+Invariants:
+- A time is the least of REPEATS runs after one untimed run (first-call allocations, lazy kernels):
+  another process on the machine only adds time.
+- A shape whose tokens at b exceed max_num_batched_tokens is not timed at b (the scheduler never runs
+  it there), nor are larger batch sizes once the timing has taken TIME_LIMIT_S.
+- Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
+  its own policy, of which TP rank 0's decides every step (`proposer._same_on_every_rank`); rank 0
+  alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
+- Dummy inputs are zeros and fixed values: no random draw, so vLLM's seeded state is as it left it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from vllm.distributed import get_tp_group
+
+from vllm_ddtree.core import TreeShape
+from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
+
+logger = logging.getLogger("vllm.ddtree")
+
+BATCHES = (1, 3, 6, 12, 24, 48, 96, 192, 384)
+"""Batch sizes timed: one per batch bucket of the policy (1 | 2-3 | 4-7 | ...), in the bucket's upper
+half, where a bucket's steps run (batches grow and shrink through it)."""
+
+REPEATS = 2
+"""Timed runs per measurement (after one untimed run); the least counts."""
+
+TIME_LIMIT_S = 1.0
+"""No larger batch size is timed once the timing has taken this long: the largest batches cost the most
+and run the least (an offline batch's first steps; a server at its peak), and the policy times shapes
+online anyway."""
+
+
+def _least(run: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds of one `run`: the least of REPEATS after one untimed run."""
+    run()
+    sync()
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _rows(shape: TreeShape, depth: int) -> int:
+    """Rows a step of `shape` verifies per request: the root and its nodes (a chain: as deep as the draft)."""
+    return 1 + (min(shape.budget, depth) if shape.is_chain else shape.budget)
+
+
+def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, TreeShape], float]:
+    """seconds[(b, shape)] for the `shapes` of the policy at the batch sizes b of BATCHES (the module's
+    rules); `runner` is the DDTree model runner, its model, KV cache and drafter ready."""
+    drafter = runner.drafter
+    depth = min(drafter.ddtree.budget, drafter.max_depth)
+    max_tokens = runner.max_num_tokens
+    max_seqs = runner.scheduler_config.max_num_seqs
+    sync = runner._sync_device
+    speculative = [shape for shape in shapes if not shape.is_off]
+    candidates = max((drafter.candidates_for(shape) for shape in speculative), default=1)
+    group = get_tp_group()
+    table: dict[tuple[int, TreeShape], float] = {}
+    start = time.perf_counter()
+    for batch in (b for b in BATCHES if b <= max_seqs):
+        target = {}
+        for rows in sorted({_rows(shape, depth) for shape in shapes}):
+            if batch * rows <= max_tokens:
+                target[rows] = _least(lambda: _target_step(runner, batch, rows), sync)
+        draft = None
+        if speculative and batch * (1 + depth) <= max_tokens:
+            draft = _least(lambda: _draft_pass(drafter, batch, depth, candidates), sync)
+        for shape in shapes:
+            rows = _rows(shape, depth)
+            if rows not in target or (not shape.is_off and draft is None):
+                continue
+            table[batch, shape] = target[rows] + (0.0 if shape.is_off else draft + _least(_tree_build(batch, depth, candidates, shape), sync))
+        go_on = time.perf_counter() - start < TIME_LIMIT_S
+        if group.world_size > 1:  # rank 0's decision on every rank: all run the same collective forwards
+            go_on = bool(group.broadcast(torch.tensor([int(go_on)]), src=0)[0])
+        if not go_on:
+            break
+    return table
+
+
+def _target_step(runner: Any, batch: int, rows: int) -> None:
+    """The target's forward over batch x rows dummy tokens and its LM head over the rows a step with
+    `rows` rows per request samples (all of them with drafts; one per request without). vLLM's
+    `_dummy_run` lays the tokens out as min(tokens, max_num_seqs) requests; the linear layers, which a
+    step's cost at short contexts is mostly, see the same rows either way."""
+    runner._plain_step = True  # no speculative config: `_dummy_run` runs the target alone
+    try:
+        hidden_states, _ = runner._dummy_run(batch * rows, force_attention=True)
+    finally:
+        runner._plain_step = False
+    sampled = batch * rows if rows > 1 else batch
+    runner.model.compute_logits(hidden_states[:sampled])
+
+
+def _draft_pass(drafter: Any, batch: int, depth: int, candidates: int) -> None:
+    """DFlash's dummy pass for `batch` requests (context store and block pass over batch x (1 + depth)
+    rows), then its LM head and top-`candidates` over the batch x depth mask rows (`_sample_draft_tokens`)."""
+    drafter.dummy_run(batch * (1 + depth), use_cudagraphs=False)
+    saved = drafter._candidates
+    drafter._candidates = candidates
+    try:
+        drafter._sample_draft_tokens(drafter.hidden_states[: batch * depth], None)
+    finally:
+        drafter._candidates, drafter._top = saved, None
+
+
+def _tree_build(batch: int, depth: int, candidates: int, shape: TreeShape) -> Callable[[], Any]:
+    """The host build of `batch` trees of `shape` from a fixed top-k (log-probs falling with depth and
+    rank, every tree as full as its budget)."""
+    k = min(candidates, shape.topk or candidates)
+    logprobs = -(torch.arange(depth, dtype=torch.float32)[:, None] + torch.arange(k, dtype=torch.float32)[None, :] * 2 + 1) / 4
+    top_logprobs = logprobs.expand(batch, depth, k).contiguous()
+    top_token_ids = torch.arange(k, dtype=torch.int64).expand(batch, depth, k).contiguous() + 1
+    roots = torch.zeros(batch, dtype=torch.int64)
+    return lambda: build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
