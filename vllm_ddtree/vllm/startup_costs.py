@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -88,10 +89,10 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
         target = {}
         for rows in sorted({_rows(shape, depth) for shape in shapes}):
             if batch * rows <= max_tokens:
-                target[rows] = _least(lambda: _target_step(runner, batch, rows), sync)
+                target[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
         draft = None
         if speculative and batch * (1 + depth) <= max_tokens:
-            draft = _least(lambda: _draft_pass(drafter, batch, depth, candidates), sync)
+            draft = _least(functools.partial(_draft_pass, drafter, batch, depth, candidates), sync)
         for shape in shapes:
             rows = _rows(shape, depth)
             if rows not in target or (not shape.is_off and draft is None):
