@@ -18,7 +18,8 @@ Invariants:
 - A time is the least of REPEATS runs after one untimed run (first-call allocations, lazy kernels):
   another process on the machine only adds time.
 - A shape whose tokens at b exceed max_num_batched_tokens is not timed at b (the scheduler never runs
-  it there), nor are larger batch sizes once the timing has taken TIME_LIMIT_S.
+  it there), nor is a larger batch size once it would end the timing past TIME_LIMIT_S (the next size
+  has about twice the rows, so about twice the time of the last); batch 1 is always timed.
 - Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
   its own policy, of which TP rank 0's decides every step (`proposer._same_on_every_rank`); rank 0
   alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
@@ -49,9 +50,9 @@ REPEATS = 2
 """Timed runs per measurement (after one untimed run); the least counts."""
 
 TIME_LIMIT_S = 1.0
-"""No larger batch size is timed once the timing has taken this long: the largest batches cost the most
-and run the least (an offline batch's first steps; a server at its peak), and the policy times shapes
-online anyway."""
+"""No larger batch size is timed once it would end the timing past this many seconds: the largest
+batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
+policy times shapes online anyway."""
 
 
 def _least(run: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -86,6 +87,7 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
     table: dict[tuple[int, TreeShape], float] = {}
     start = time.perf_counter()
     for batch in (b for b in BATCHES if b <= max_seqs):
+        batch_start = time.perf_counter()
         target = {}
         for rows in sorted({_rows(shape, depth) for shape in shapes}):
             if batch * rows <= max_tokens:
@@ -98,7 +100,9 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
             if rows not in target or (not shape.is_off and draft is None):
                 continue
             table[batch, shape] = target[rows] + (0.0 if shape.is_off else draft + _least(_tree_build(batch, depth, candidates, shape), sync))
-        go_on = time.perf_counter() - start < TIME_LIMIT_S
+        now = time.perf_counter()
+        # the next batch size has about twice the rows: it would take about twice as long as this one
+        go_on = now - start + 2 * (now - batch_start) <= TIME_LIMIT_S
         if group.world_size > 1:  # rank 0's decision on every rank: all run the same collective forwards
             go_on = bool(group.broadcast(torch.tensor([int(go_on)]), src=0)[0])
         if not go_on:
