@@ -16,6 +16,7 @@ CHAIN = TreeShape(7, 1)
 TOKENS = {OFF: 1.0, TreeShape(4): 2.2, CHAIN: 2.4, TreeShape(8): 2.8, TreeShape(16): 3.0}
 """Tokens per request and step of each shape."""
 STEP_SECONDS = {
+    2: {OFF: 0.003, TreeShape(4): 0.0055, CHAIN: 0.0058, TreeShape(8): 0.006, TreeShape(16): 0.007},  # as batch 1's
     1: {OFF: 0.003, TreeShape(4): 0.0055, CHAIN: 0.0058, TreeShape(8): 0.006, TreeShape(16): 0.007},
     12: {OFF: 0.006, TreeShape(4): 0.016, CHAIN: 0.02, TreeShape(8): 0.022, TreeShape(16): 0.04},
 }
@@ -99,8 +100,10 @@ def test_the_start_up_costs_are_shifted_by_the_step_overhead_the_bucket_measures
         policy.observe(1, OFF, STEP_SECONDS[1][OFF], {OFF: 1.0})
     assert policy.seconds(bucket, OFF) == pytest.approx(STEP_SECONDS[1][OFF])
     assert policy.seconds(bucket, TreeShape(8)) == pytest.approx(STEP_SECONDS[1][TreeShape(8)])
-    # a bucket with nothing timed borrows the nearest timed bucket's offsets
-    assert policy.seconds(step_bucket(12, 0.0), TreeShape(4)) == pytest.approx(STEP_SECONDS[12][TreeShape(4)])
+    # a bucket with nothing timed borrows an adjacent batch bucket's offsets, and no farther one's
+    policy.seed_costs(startup_table((1, 2, 12)))
+    assert policy.seconds(step_bucket(2, 0.0), TreeShape(4)) == pytest.approx(STEP_SECONDS[1][TreeShape(4)])
+    assert policy.seconds(step_bucket(12, 0.0), TreeShape(4)) == pytest.approx(STEP_SECONDS[12][TreeShape(4)] - OVERHEAD)
 
 
 def test_timed_steps_replace_start_up_costs_that_are_wrong():

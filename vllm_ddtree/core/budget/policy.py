@@ -316,15 +316,19 @@ class AdaptiveBudget:
         """(off's, speculation's) step overhead over their start-up costs: the median, over the shapes of a
         kind timed in this bucket, of their cost less their start-up cost; a kind none of whose shapes is
         timed here takes the other kind's. A bucket where no shape with a start-up cost is timed takes the
-        nearest such bucket's offsets (same context bucket first; a batch's per-step overhead grows
-        with it, but less than its costs do); None where no bucket has any."""
+        offsets of a neighbour that has one: an adjacent batch bucket of the same context length, else
+        the same batch bucket at another context length. No farther: the overhead grows with the batch
+        (each request's host work: its tree, its walk), so batch 12's would swamp batch 1's costs. None
+        where no neighbour has any (the start-up costs alone then rank the shapes)."""
         if bucket in self._offsets:
             return self._offsets[bucket]
         offsets = self._own_offsets(bucket)
         if offsets is None:
-            timed = {b for b, _ in self.costs if b != bucket}
-            nearest = sorted(timed, key=lambda b: (b // BATCH_BUCKETS != bucket // BATCH_BUCKETS, abs(batch_of(b) - batch_of(bucket)), b))
-            offsets = next((found for b in nearest if (found := self._own_offsets(b)) is not None), None)
+            batch, context = batch_of(bucket), bucket // BATCH_BUCKETS
+            near = [b for b, _ in self.costs if b != bucket and (
+                (b // BATCH_BUCKETS == context and abs(batch_of(b) - batch) <= 1) or batch_of(b) == batch)]
+            near.sort(key=lambda b: (b // BATCH_BUCKETS != context, abs(b // BATCH_BUCKETS - context), b))
+            offsets = next((found for b in dict.fromkeys(near) if (found := self._own_offsets(b)) is not None), None)
         self._offsets[bucket] = offsets
         return offsets
 
