@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-core demo bench bench-quick bench-serve gpu-check gpu-check-smoke clean
+.PHONY: install test test-core demo bench bench-quick bench-bf16 bench-serve gpu-check gpu-check-smoke clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ bench: install
 
 bench-quick: install
 	$(PY) benchmarks/bench.py --quick
+
+# The realistic-cost matrix: the embedded pair widened to Qwen3-0.6B cost (built on first use), bf16,
+# batches 1 4 16 x T 0 1, control engine; ARGS narrows it (e.g. ARGS="--batches 1 --temperatures 0 --budgets 8").
+bench-bf16: install
+	$(PY) benchmarks/bench.py --realistic $(ARGS)
 
 # vllm serve side by side (no speculation, vLLM's DFlash chain, the default config), vLLM's serving client, rotated rounds
 bench-serve: install ; $(PY) benchmarks/serve_bench.py $(ARGS)

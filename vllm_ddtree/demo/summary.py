@@ -189,6 +189,70 @@ def greedy_mismatches(label: str, rounds: list[dict[str, TimedRun]]) -> list[dic
     return mismatches
 
 
+@dataclass(frozen=True)
+class Agreement:
+    """One variant's greedy output in one round against no speculation's first round, prompt by prompt:
+    the tokens equal up to the first divergence (a bf16 run's check, where the tree rows' attention
+    rounds differently from a plain step's and a near-tie of the logits may flip; float32 runs are
+    checked exactly, `greedy_mismatches`).
+
+    agreed: tokens before each prompt's first divergence, summed over prompts; total: the reference's
+    tokens; first_divergence: per prompt, the index of its first differing token (None: identical).
+    """
+
+    cell: str
+    variant: str
+    round: int
+    agreed: int
+    total: int
+    first_divergence: tuple[int | None, ...]
+
+    @property
+    def identical_prompts(self) -> int:
+        return sum(d is None for d in self.first_divergence)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def greedy_agreement(label: str, rounds: list[dict[str, TimedRun]]) -> list[Agreement]:
+    """Every (variant, round) of greedy rounds against no speculation's first round (`Agreement`); no
+    speculation's own later rounds included (plain decoding should repeat itself)."""
+    if NO_SPECULATION not in rounds[0]:
+        return []
+    reference = rounds[0][NO_SPECULATION].token_ids
+    found = []
+    for k, runs in enumerate(rounds):
+        for name, run in runs.items():
+            if k == 0 and name == NO_SPECULATION:
+                continue
+            prefixes = [common_prefix(ref, out) for ref, out in zip(reference, run.token_ids)]
+            divergence = tuple(None if p == len(ref) == len(out) else p for p, ref, out in zip(prefixes, reference, run.token_ids))
+            found.append(Agreement(label, name, k, sum(prefixes), sum(len(r) for r in reference), divergence))
+    return found
+
+
+def format_agreement(agreements: list[Agreement]) -> str:
+    """One line per variant: its worst round's agreement with no speculation (tokens before the first
+    divergence per prompt, prompts identical), and its rounds' range."""
+    lines = []
+    for name in dict.fromkeys(a.variant for a in agreements):
+        mine = [a for a in agreements if a.variant == name]
+        worst = min(mine, key=lambda a: a.agreed / a.total)
+        fractions = [a.agreed / a.total for a in mine]
+        diverged = [d for d in worst.first_divergence if d is not None]
+        where = f"; first divergences at tokens {sorted(diverged)}" if diverged else ""
+        lines.append(
+            f"{name:<24} {worst.agreed}/{worst.total} tokens ({100 * worst.agreed / worst.total:.1f}%) agree before the"
+            f" first divergence, {worst.identical_prompts}/{len(worst.first_divergence)} prompts identical (worst of"
+            f" {len(mine)} rounds; range {100 * min(fractions):.1f}-{100 * max(fractions):.1f}%){where}"
+        )
+    return "\n".join(lines)
+
+
 def fmt(value: Spread | None, suffix: str = "x") -> str:
     return value.format(2, suffix) if value is not None else "-"
 
