@@ -163,11 +163,16 @@ class DDTreeRunnerMixin:
         start = time.perf_counter()
         try:
             with torch.inference_mode():
-                self.startup_costs = time_step_costs(self, policy.shapes)
+                costs = time_step_costs(self, policy.shapes)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the policy then times every shape online
+            logger.warning("method 'ddtree': step costs could not be timed at start-up (%s: %s); the budget policy "
+                           "times every shape online", type(exc).__name__, exc)
+            return
         finally:
             self.stage_times.enabled = enabled
         self.startup_seconds = time.perf_counter() - start
-        policy.seed_costs(self.startup_costs)
+        self.startup_costs = costs
+        policy.seed_costs(costs)
         batches = sorted({batch for batch, _ in self.startup_costs})
         logger.info("method 'ddtree': step costs of %d shapes timed at batch sizes %s in %.2f s (the budget policy starts from them)",
                     len(policy.shapes), batches, self.startup_seconds)

@@ -15,8 +15,8 @@ preparation, sampling, the walk) is not timed here: the policy adds the overhead
 (`AdaptiveBudget._prior_cost`).
 
 Invariants:
-- A time is the least of REPEATS runs after one untimed run (first-call allocations, lazy kernels):
-  another process on the machine only adds time.
+- A time is the least of REPEATS runs: first-call costs (allocations, lazy kernels) and another
+  process on the machine only add time.
 - A shape whose tokens at b exceed max_num_batched_tokens is not timed at b (the scheduler never runs
   it there), nor is a larger batch size once it would end the timing past TIME_LIMIT_S (the next size
   has about twice the rows, so about twice the time of the last); batch 1 is always timed.
@@ -47,18 +47,17 @@ BATCHES = (1, 3, 6, 12, 24, 48, 96, 192, 384)
 half, where a bucket's steps run (batches grow and shrink through it)."""
 
 REPEATS = 2
-"""Timed runs per measurement (after one untimed run); the least counts."""
+"""Runs per measurement; the least counts (a first call's one-time costs, allocations and lazy kernels,
+fall on the first run only)."""
 
-TIME_LIMIT_S = 1.0
+TIME_LIMIT_S = 1.5
 """No larger batch size is timed once it would end the timing past this many seconds: the largest
 batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
 policy times shapes online anyway."""
 
 
 def _least(run: Callable[[], Any], sync: Callable[[], None]) -> float:
-    """Seconds of one `run`: the least of REPEATS after one untimed run."""
-    run()
-    sync()
+    """Seconds of one `run`: the least of REPEATS runs."""
     best = float("inf")
     for _ in range(REPEATS):
         start = time.perf_counter()
