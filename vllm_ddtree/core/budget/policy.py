@@ -169,7 +169,9 @@ class AdaptiveBudget:
     _new_text: bool = False
     _probe: ProbeCharge | None = None
     prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
-    """Start-up costs (`seed_costs`): seconds of a step of a shape, by batch bucket (`batch_of`) and shape."""
+    """Start-up costs (`seed_costs`): seconds of a step of a shape, by batch bucket (`batch_of`) and shape,
+    for every context length: they are timed at short contexts, and a long-context bucket's offsets
+    (`_prior_offsets`) and timed steps carry its attention's growth."""
     _offsets: dict[int, tuple[float, float] | None] = field(default_factory=dict)
     """Per bucket, the step overhead over the start-up costs of (off, speculation) (`_prior_offsets`),
     cleared whenever a cost is timed."""
