@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ddtree.demo.engines import Pass, TimedRun
+from vllm_ddtree.demo.engines import Pass, TimedRun, Work
 from vllm_ddtree.demo.side_by_side import SpecCounters
 from vllm_ddtree.demo.stats import spread
 from vllm_ddtree.demo.summary import NO_SPECULATION, VariantSummary, common_prefix, format_agreement, greedy_agreement
@@ -104,3 +104,41 @@ def test_widened_kv_cache_holds_the_sequences_and_one_of_max_model_len(tmp_path)
     assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 16, 192, 1024) == 1.25 * 16 * 192 * per_token  # 240 MiB
     assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 1, 100, 1024) == 1.25 * 1024 * per_token  # one max_model_len
     assert bench.kv_cache_bytes("embedded", dirs, "float32", 16, 192, 1024) == 0  # the shipped pair keeps its sizes
+
+
+def test_headline_names_the_realistic_scenarios_setting():
+    from vllm_ddtree.demo.__main__ import Scenario, ScenarioResult, headline
+    from vllm_ddtree.demo.engines import Work
+
+    default = VariantSummary("ddtree default (<=32)", "default", 32, spread([30.0]), spread([3.0]), spread([8.0]), spread([2.5]),
+                             None, None, None, None, None, None, [])
+    embedded = ScenarioResult(Scenario("latency", Work(((1,),), 1, 0.0, 64)), [default], [])
+    realistic = ScenarioResult(Scenario("latency", Work(((1,),), 1, 0.0, 48), "0.6b widened pair, bfloat16"), [default], [])
+    assert headline([embedded, realistic]) == (
+        "ddtree default (<=32), tokens/s over no speculation: latency 2.50x, latency (0.6b widened pair, bfloat16) 2.50x"
+    )
+    assert realistic.scenario.description.startswith("latency (0.6b widened pair, bfloat16): 1 prompts of 1 tokens served one at a time")
+
+
+def test_demo_report_states_bf16_agreement_and_passes_on_it(tmp_path):
+    import argparse
+    import json
+
+    from vllm_ddtree.demo.__main__ import Scenario, ScenarioResult, report
+
+    reference = _run([[1, 2, 3, 4]])
+    agreement = tuple(greedy_agreement("latency", [{NO_SPECULATION: reference, "tree": _run([[1, 2, 9, 4]])}]))
+    summaries = [_summary(NO_SPECULATION, "none", [10.0, 11.0]), _summary("chain", "chain", [20.0, 22.0]),
+                 _summary("default", "default", [25.0, 24.0]), _summary("tree 8", "fixed", [24.0, 25.0])]
+    embedded = ScenarioResult(Scenario("latency", Work(((1,),), 1, 0.0, 64)), summaries, [])
+    realistic = ScenarioResult(Scenario("latency", Work(((1,),), 1, 0.0, 48), "0.6b widened pair, bfloat16"), summaries, [], agreement)
+    said: list[str] = []
+    assert report([embedded, realistic], {}, str(tmp_path / "demo"), argparse.Namespace(x=1), said.append)
+    text = "\n".join(said)
+    assert "greedy agreement with no speculation (bfloat16: stated, not required" in text and "3/4 tokens (75.0%)" not in text
+    assert "2/4 tokens (50.0%) agree" in text  # [1, 2, 9, 4] parts from [1, 2, 3, 4] at token 2
+    assert "default: 1.00x [0.96-1.04] the best of chain, tree 8 per round" in text  # 25/24, 24/25
+    assert "identical to plain decoding for every variant and round of the float32 scenarios (latency)" in text
+    written = json.loads((tmp_path / "demo.json").read_text())
+    assert written["scenarios"][1]["greedy_agreement"][0]["first_divergence"] == [2]
+    assert (tmp_path / "demo.png").stat().st_size > 0

@@ -20,11 +20,23 @@ Tokens per step come from the engines' spec-decode stats, stage times from the f
 runners (VLLM_DDTREE_STAGE_TIMES=1; the default config runs untimed, as users run it). vLLM's output goes
 to a log file next to the results.
 
+Then a third scenario at a realistic cost (unless `--no-realistic`): the same pair widened to a
+Qwen3-0.6B-class target computing the same function (`vllm_ddtree.demo.widen_pair`: 361M parameters, 28
+layers; built into ~/.cache/vllm_ddtree/pairs/0.6b on first use, ~8 s and 1.6 GB, from the embedded pair:
+no network), in bfloat16, batch 1: no speculation, vLLM's DFlash chain, the default configuration and a
+fixed tree (`--realistic-budgets`), in engines of their own started after the first ones stop. There a
+verify of 9-17 rows costs about one plain step, the memory-bound regime where trees pay, as on GPUs.
+
 Prints one table per scenario and a paragraph computed from this run's stage times; writes a PNG and a
-JSON. Exits 1 if any variant's output differs from plain decoding in any round (DDTree is lossless).
+JSON. Exits 1 if any variant's output differs from plain decoding in any round of the float32 scenarios
+(DDTree is lossless). In bfloat16 the tree rows' attention rounds differently from a plain step's, so a
+near-tie of the logits may flip: the realistic scenario states its agreement with plain decoding (per
+prompt, the tokens equal up to the first divergence) and does not fail on it.
 
     python -m vllm_ddtree.demo [--prompts 16] [--latency-prompts 8] [--max-tokens 64] [--rounds 3] [--throughput-calls 3]
                                [--budgets 8 32] [--default-budget 32] [--ngram] [--out benchmarks/results]
+                               [--no-realistic] [--realistic-size 0.6b] [--realistic-prompts 4] [--realistic-max-tokens 48]
+                               [--realistic-rounds 2] [--realistic-budgets 8]
 """
 
 from __future__ import annotations
@@ -35,16 +47,18 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, TimedRun, Work, configure_environment, context_prompts, run_round
 from vllm_ddtree.demo.engines import shutdown_all, start_engines
 from vllm_ddtree.demo.quiet import quiet_run
-from vllm_ddtree.demo.stats import StepSplit
-from vllm_ddtree.demo.summary import VariantSummary, build_variants, format_shapes
-from vllm_ddtree.demo.summary import format_speed_table, greedy_mismatches, summarize
+from vllm_ddtree.demo.stats import StepSplit, spread
+from vllm_ddtree.demo.summary import Agreement, VariantSummary, build_variants, format_agreement, format_shapes
+from vllm_ddtree.demo.summary import format_speed_table, greedy_agreement, greedy_mismatches, summarize
 
 PROMPT_TOKENS = 64
+REALISTIC_DTYPE = "bfloat16"
+REALISTIC_KV_BYTES = 128 * 2**20  # ~2000 tokens of the 0.6b pair's target and draft in bf16: 4 prompts, their outputs and trees
 
 
 @dataclass(frozen=True)
@@ -53,22 +67,26 @@ class Scenario:
 
     name: str
     work: Work
+    setting: str = ""  # the pair and dtype where they are not the embedded pair's float32
 
     @property
     def description(self) -> str:
         w = self.work
         how = "served one at a time" if w.batch == 1 else "in one generate call" if w.batch == len(w.prompts) else f"{w.batch} per call"
         again = f" ({w.repeats} times per round)" if w.repeats > 1 else ""
-        return f"{self.name}: {len(w.prompts)} prompts of {len(w.prompts[0])} tokens {how}{again}, {w.max_tokens} new tokens each"
+        name = f"{self.name} ({self.setting})" if self.setting else self.name
+        return f"{name}: {len(w.prompts)} prompts of {len(w.prompts[0])} tokens {how}{again}, {w.max_tokens} new tokens each"
 
 
 @dataclass(frozen=True)
 class ScenarioResult:
-    """A scenario's summaries (`summary.summarize`) and greedy mismatches (`summary.greedy_mismatches`)."""
+    """A scenario's summaries (`summary.summarize`) and greedy mismatches (`summary.greedy_mismatches`,
+    float32: exact); in bfloat16 its greedy agreement instead (`summary.greedy_agreement`, stated)."""
 
     scenario: Scenario
     summaries: list[VariantSummary]
     mismatches: list[dict]
+    agreement: tuple[Agreement, ...] = ()
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -83,6 +101,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--default-budget", type=int, default=32, help="num_speculative_tokens of the default (adaptive) config")
     parser.add_argument("--ngram", action="store_true", help="also run vLLM's n-gram (prompt lookup)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--no-realistic", dest="realistic", action="store_false",
+                        help="skip the realistic-cost scenario (the widened pair in bfloat16, batch 1)")
+    parser.add_argument("--realistic-size", choices=("0.6b", "1.7b"), default="0.6b", help="the widened pair of that scenario")
+    parser.add_argument("--realistic-prompts", type=int, default=4, help="its prompts, served one at a time")
+    parser.add_argument("--realistic-max-tokens", type=int, default=48)
+    parser.add_argument("--realistic-rounds", type=int, default=2, help="its timed rounds (after a warm-up round)")
+    parser.add_argument("--realistic-budgets", type=int, nargs="*", default=[8], help="its fixed DDTree budgets")
     args = parser.parse_args(argv)
     if args.throughput_calls < 1:
         parser.error("--throughput-calls must be at least 1")
@@ -115,13 +140,36 @@ def measure(
     return timed, every
 
 
+def realistic_scenario(args: argparse.Namespace) -> Scenario:
+    """Batch 1 on the widened pair in bfloat16: the first `--realistic-prompts` held-out prompts one at a time."""
+    prompts = tuple(map(tuple, context_prompts(args.realistic_prompts, PROMPT_TOKENS)))
+    setting = f"{args.realistic_size} widened pair, {REALISTIC_DTYPE}"
+    return Scenario("latency", Work(prompts, 1, 0.0, args.realistic_max_tokens), setting)
+
+
+def vs_best_other(summaries: list[VariantSummary], kinds: tuple[str, ...] = ("chain", "width1", "fixed")) -> str:
+    """The default configuration's tokens/s over the best of the `kinds` in the same round, as median
+    [min-max] over rounds, naming the best's median ("" without a default or any of them)."""
+    default = next((s for s in summaries if s.kind == "default"), None)
+    others = [s for s in summaries if s.kind in kinds]
+    if default is None or not others:
+        return ""
+    rounds = range(len(default.tokens_per_second.values))
+    best = [max(s.tokens_per_second.values[k] for s in others) for k in rounds]
+    ratio = spread([default.tokens_per_second.values[k] / best[k] for k in rounds])
+    best_name = max(others, key=lambda s: s.tokens_per_second.median).variant
+    return f"{ratio.format(2, 'x')} the best of {', '.join(s.variant for s in others)} per round (best median: {best_name})"
+
+
 def headline(results: list[ScenarioResult]) -> str:
-    """The default configuration's speedup over no speculation in each scenario ("" if it did not run)."""
-    defaults = [(r.scenario.name, s) for r in results for s in r.summaries if s.kind == "default" and s.vs_none]
+    """The default configuration's speedup over no speculation in each scenario, the scenario's setting
+    in brackets where it is not the embedded pair's float32 ("" if the default did not run)."""
+    defaults = [(r.scenario, s) for r in results for s in r.summaries if s.kind == "default" and s.vs_none]
     if not defaults:
         return ""
     return f"{defaults[0][1].variant}, tokens/s over no speculation: " + ", ".join(
-        f"{name} {default.vs_none.format(2, 'x')}" for name, default in defaults
+        f"{scenario.name}{f' ({scenario.setting})' if scenario.setting else ''} {default.vs_none.format(2, 'x')}"
+        for scenario, default in defaults
     )
 
 
@@ -194,7 +242,8 @@ def plot(results: list[ScenarioResult], path: str) -> None:
         ax.set_ylabel("output tokens/s")
         ax.set_ylim(0, 1.2 * max(s.tokens_per_second.high for s in shown))
         ax.set_title(result.scenario.description, fontsize=8)
-    fig.suptitle("DDTree on the embedded pair, greedy (bars: median over rounds, whiskers: min-max)", fontsize=10)
+    fig.suptitle("DDTree, greedy; the embedded pair in float32 unless a title says otherwise (bars: median over rounds, whiskers: min-max)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,7 +266,37 @@ def run_demo(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[list
     results = [
         ScenarioResult(s, summarize(0.0, variants, timed[s.name]), greedy_mismatches(s.name, every[s.name])) for s in scenarios
     ]
+    if args.realistic:
+        result, realistic_errors = run_realistic(args, say)
+        errors.update(realistic_errors)
+        if result is not None:
+            results.append(result)
     return results, errors
+
+
+def run_realistic(args: argparse.Namespace, say: Callable[[str], None]) -> tuple[ScenarioResult | None, dict[str, str]]:
+    """The realistic-cost scenario (`realistic_scenario`) in engines of its own: no speculation, vLLM's DFlash
+    chain, the default configuration and the fixed trees; greedy agreement stated, not required. Returns
+    None for the result when no engine started."""
+    from vllm_ddtree.demo.widen_pair import widened_pair_paths
+
+    start = time.perf_counter()
+    target, draft = widened_pair_paths(args.realistic_size)  # built on first use from the embedded pair
+    scenario = realistic_scenario(args)
+    variants = [v for v in build_variants(draft, args.realistic_budgets, args.default_budget) if v.kind != "width1"]
+    say(f"\n{scenario.setting}: target {target} (ready in {time.perf_counter() - start:.0f} s)\n"
+        f"starting {len(variants)} engines, one process each")
+    kwargs = {**ENGINE_KWARGS, "dtype": REALISTIC_DTYPE, "kv_cache_memory_bytes": REALISTIC_KV_BYTES}
+    engines, errors = start_engines(target, [(v.name, v.speculative_config) for v in variants], kwargs, say)
+    if not engines:
+        return None, errors
+    try:
+        say(f"{scenario.description}; greedy; a warm-up round, then {args.realistic_rounds} timed rounds")
+        timed, every = measure(engines, [scenario], args.realistic_rounds, say)
+    finally:
+        shutdown_all(engines)
+    agreement = tuple(greedy_agreement(scenario.description, every[scenario.name]))
+    return ScenarioResult(scenario, summarize(0.0, variants, timed[scenario.name]), [], agreement), errors
 
 
 def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, args: argparse.Namespace, say: Callable[[str], None]) -> bool:
@@ -226,9 +305,15 @@ def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, arg
         say(f"\n{result.scenario.description}\n" + format_speed_table(result.summaries))
         if shapes := format_shapes(result.summaries):
             say(shapes)
+        if result.scenario.setting and (best := vs_best_other(result.summaries)):
+            say(f"default: {best}")
+        if result.agreement:
+            say("greedy agreement with no speculation (bfloat16: stated, not required; every round, warm-up included):\n"
+                + format_agreement(list(result.agreement)))
     if line := headline(results):
         say("\n" + line)
-    paragraph = stage_paragraph(results[-1])
+    embedded = [r for r in results if not r.scenario.setting]
+    paragraph = stage_paragraph(embedded[-1]) if embedded else ""
     if paragraph:
         say("\n" + paragraph)
     mismatches = [m for r in results for m in r.mismatches]
@@ -237,7 +322,11 @@ def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, arg
         json.dump(
             {
                 "args": vars(args),
-                "scenarios": [{"description": r.scenario.description, "variants": [s.to_json() for s in r.summaries]} for r in results],
+                "scenarios": [
+                    {"description": r.scenario.description, "variants": [s.to_json() for s in r.summaries],
+                     "greedy_agreement": [{**asdict(a), "identical_prompts": a.identical_prompts} for a in r.agreement]}
+                    for r in results
+                ],
                 "greedy_mismatches": mismatches,
                 "start_errors": errors,
                 "headline": headline(results),
@@ -249,7 +338,8 @@ def report(results: list[ScenarioResult], errors: dict[str, str], stem: str, arg
     say(f"\nwrote {stem}.png, {stem}.json (vLLM's output: {stem}.log)")
     if mismatches or errors:
         return False
-    say("greedy outputs identical to plain decoding for every variant, scenario and round")
+    exact = [r.scenario.name for r in results if not r.agreement]
+    say(f"greedy outputs identical to plain decoding for every variant and round of the float32 scenarios ({', '.join(exact)})")
     return True
 
 
