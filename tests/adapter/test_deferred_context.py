@@ -56,3 +56,31 @@ def test_taken_rows_are_the_appended_rows_in_order(script, seed):
         positions.fill_(-1)
         assert held.rows == sum(rows.shape[0] for rows, _, _ in expected)
     assert DeferredContext.row_bytes([torch.zeros(1, w, dtype=dtype) for w in widths]) == sum(widths) * torch.zeros(0, dtype=dtype).element_size()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2 * MIN_ROWS), min_size=1, max_size=4), st.data())
+def test_removed_rows_are_left_out_and_the_others_kept_in_order(counts, data):
+    """`rows_where` copies the selected rows; `remove_where` (twice, overlapping) removes rows; `take` then
+    gives the rows never removed, in order, and a later `add` appends after them."""
+    held = DeferredContext()
+    appended = []
+    for k, count in enumerate(counts):
+        states = torch.arange(count * 3, dtype=torch.float32).view(count, 3) + 1000 * k
+        positions, slots = torch.arange(count) + 100 * k, torch.arange(count, dtype=torch.int32) + 1000 * k
+        held.add([states[:, :1], states[:, 1:]], count, positions, slots)
+        appended.append((states, positions, slots))
+    everything = [torch.cat(column) for column in zip(*appended)]
+    masks = [torch.tensor(data.draw(st.lists(st.booleans(), min_size=held.rows, max_size=held.rows)), dtype=torch.bool)
+             for _ in range(2)]
+    copied = held.rows_where(masks[0])
+    assert all(torch.equal(a, b[masks[0]]) for a, b in zip(copied, everything))
+    for mask in masks:
+        held.remove_where(mask)
+    kept = ~(masks[0] | masks[1])
+    assert held.rows - held.removed == int(kept.sum())
+    held.add([torch.ones(1, 1), torch.ones(1, 2)], 1, torch.tensor([7]), torch.tensor([7], dtype=torch.int32))
+    rest = held.take()
+    assert rest is not None and held.rows == held.removed == 0
+    assert all(torch.equal(a[:-1], b[kept]) for a, b in zip(rest, everything))
+    assert rest[1][-1] == 7 and rest[0].shape[0] == int(kept.sum()) + 1

@@ -5,6 +5,11 @@ outputs, concatenated feature-wise), their positions and KV slots. They are appe
 allocated once and reused after every store pass, one copy per part and no allocation per step. On
 the host the copies go through numpy views: at batch 1 a step appends one row, and a torch op per
 copy (slice, cat, clone) costs several times a numpy assignment once a forward has evicted the caches.
+
+Rows leave either all at once (`take`: a draft pass reads the whole context) or by KV block
+(`remove_where` with `rows_in_blocks`: the blocks of requests that finished or were preempted, whose
+rows must be stored or dropped before those blocks can be given to other requests); the rows of
+running requests stay for the next pass.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ MIN_ROWS = 64
 
 
 class DeferredContext:
-    """Rows appended step by step until `take` hands them over. Invariant: `rows` rows are held, the
-    first `rows` of each buffer, in the order they were appended."""
+    """Rows appended step by step until `take` hands them over. Invariant: the first `rows` rows of each
+    buffer are the rows appended since the last `take`, in order; `removed` of them were removed
+    (`remove_where`: their slots -1); the others are held."""
 
     def __init__(self) -> None:
         self.rows = 0
+        self.removed = 0
         self._states: torch.Tensor | None = None  # [capacity, features]
         self._positions: torch.Tensor | None = None  # [capacity]
         self._slots: torch.Tensor | None = None  # [capacity]
@@ -72,12 +79,39 @@ class DeferredContext:
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The rows held (states [n, F], positions [n], slots [n]: views of the buffers, valid until the
-        next `add`), none held after; None when none were."""
+        next `add`; copies when rows were removed), none held after; None when none were."""
         if not self.rows:
             return None
         assert self._states is not None and self._positions is not None and self._slots is not None
-        rows, self.rows = self.rows, 0
-        return self._states[:rows], self._positions[:rows], self._slots[:rows]
+        rows, removed, self.rows, self.removed = self.rows, self.removed, 0, 0
+        held = self._states[:rows], self._positions[:rows], self._slots[:rows]
+        if removed:
+            kept = held[2] >= 0
+            held = held[0][kept], held[1][kept], held[2][kept]
+        return held
+
+    def indices(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions and KV slots of the first `rows` rows, removed ones included (slot -1) (views of the
+        buffers, valid until the next `add` or take)."""
+        assert self._positions is not None and self._slots is not None
+        return self._positions[: self.rows], self._slots[: self.rows]
+
+    def rows_where(self, selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of the rows where `selected` [rows] (bool) is true: states [k, F], positions [k], slots [k]."""
+        assert self._states is not None and self._positions is not None and self._slots is not None
+        return self._states[: self.rows][selected], self._positions[: self.rows][selected], self._slots[: self.rows][selected]
+
+    def remove_where(self, selected: torch.Tensor) -> None:
+        """Remove the rows held where `selected` [rows] (bool) is true. A removed row keeps its place, its
+        slot set to -1 (a slot no block holds), until `take` leaves it out: rows are removed on every
+        finish, and moving the rows kept would copy them all each time."""
+        assert self._slots is not None and selected.shape == (self.rows,)
+        slots = self._slots[: self.rows]
+        selected = selected & (slots >= 0)
+        self.removed += int(selected.sum())
+        slots[selected] = -1
+        if self.removed == self.rows:
+            self.rows = self.removed = 0
 
     def _reserve(self, rows: int, parts: Sequence[torch.Tensor], positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Grow the buffers to at least `rows` rows (at least doubled) for hidden states like `parts`, the
@@ -96,6 +130,16 @@ class DeferredContext:
                 new[: self.rows] = old[: self.rows]
         self._states, self._positions, self._slots = grown
         self._host_views = tuple(_numpy(buffer) for buffer in grown) if device.type == "cpu" else None  # type: ignore[assignment]
+
+
+def rows_in_blocks(slots: torch.Tensor, block_tables: Sequence[Sequence[int]], block_size: int) -> torch.Tensor:
+    """[n] bool: the rows (KV slots [n], slot = block id x block_size + offset) in a block of any of
+    `block_tables` (padding slots, -1, in none)."""
+    blocks = sorted({block for table in block_tables for block in table})
+    if not blocks or slots.numel() == 0:
+        return torch.zeros(slots.shape, dtype=torch.bool, device=slots.device)
+    listed = torch.tensor(blocks, dtype=torch.long, device=slots.device)
+    return torch.isin(slots.long().div(block_size, rounding_mode="floor"), listed)
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -21,7 +21,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes, unreadable_context_rows
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.deferred_context import DeferredContext
+from vllm_ddtree.vllm.deferred_context import DeferredContext, rows_in_blocks
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -126,6 +126,7 @@ class DDTreeProposer(DFlashProposer):
         pass does, and skip the rest: no pass over the mask block, no draft LM head, no top-k.
         `set_inputs_first_pass` lays the verify rows out (rejected nodes get no slot), as in a full
         draft pass, and they are stored at once."""
+        self.store_deferred_context()  # none held after a verify step; were there, they are older rows of the same blocks
         self.num_speculative_tokens = depth
         num_context = target_hidden_states.shape[0]
         hidden_states = self.model.combine_hidden_states(target_hidden_states)
@@ -145,7 +146,7 @@ class DDTreeProposer(DFlashProposer):
     @property
     def deferred_rows(self) -> int:
         """Context rows deferred and not yet stored."""
-        return self._deferred.rows
+        return self._deferred.rows - self._deferred.removed
 
     def defer_context(self, parts: Sequence[torch.Tensor], count: int, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Keep the first `count` context rows of a step without drafts for `store_deferred_context`: the
@@ -154,8 +155,8 @@ class DDTreeProposer(DFlashProposer):
         such a step is context at its own position and KV slot (target and draft share one KV cache
         group, hence one block table), so the target's positions and slot mapping serve as they are;
         the rows are stored together with other steps' rows in one pass before the next draft pass,
-        when KV blocks may change hands (less the rows no request can read: `unreadable_context_rows`),
-        or before more than DEFERRED_BYTES would wait (one pass over many steps' rows costs about what
+        when their request finishes or is preempted (those in its blocks only, less the rows no request
+        can read: `store_deferred_context`), or before more than DEFERRED_BYTES would wait (one pass over many steps' rows costs about what
         one step's pass did); a step's rows beyond that are stored at once."""
         row_bytes = DeferredContext.row_bytes(parts)
         if (self._deferred.rows + count) * row_bytes > DEFERRED_BYTES:
@@ -165,21 +166,34 @@ class DDTreeProposer(DFlashProposer):
                 return
         self._deferred.add(parts, count, positions, slots)
 
-    def store_deferred_context(self, finished_blocks: Sequence[Sequence[int]] = ()) -> None:
-        """Store the deferred context rows of steps without speculation in one pass (no-op if none), less
-        those no request can read once the requests with KV block tables `finished_blocks` have finished
-        (their last, partial block's rows; every row of theirs with prefix caching off).
-        Must run before a draft pass reads the context and before a KV block holding deferred rows can
-        be given to another request (the runner calls it when requests finish, are preempted or arrive,
-        with the finished requests' block tables)."""
-        held = self._deferred.take()
-        if held is None:
+    def store_deferred_context(self, freed_blocks: Sequence[Sequence[int]] | None = None) -> None:
+        """Store deferred context rows of steps without speculation in one pass (no-op if none): every row
+        held (`freed_blocks` None), or only the rows in the KV blocks of `freed_blocks`, the block tables
+        of the requests that finished or were preempted since the last step, less those no request can
+        read (their last, partial block's rows; all their rows with prefix caching off:
+        `unreadable_context_rows`), which are dropped; the other requests' rows stay held.
+
+        Every row held must be stored before a draft pass reads the context (`propose` stores them all
+        first) and stored or dropped before its KV block can be given to another request (the runner
+        passes the freed requests' tables when requests finish or are preempted). Nothing else need
+        wait: a block a request holds changes hands only after the request finishes or is preempted,
+        so an arrival's new blocks hold no rows, and a prefix-cache hit reads a running request's full
+        block only in a draft pass. So a block's rows held are always the last rows written to it,
+        which `unreadable_context_rows` needs: rows are taken all at once or by whole blocks."""
+        if not self.deferred_rows:
             return
-        states, positions, slots = held
-        if finished_blocks:
-            readable = ~unreadable_context_rows(positions, slots, finished_blocks, self.block_size, self._prefix_caching)
-            if not bool(readable.all()):
-                states, positions, slots = states[readable], positions[readable], slots[readable]
+        if freed_blocks is None:
+            held = self._deferred.take()
+            assert held is not None
+            states, positions, slots = held
+        else:
+            positions, slots = self._deferred.indices()
+            freed = rows_in_blocks(slots, freed_blocks, self.block_size)
+            if not bool(freed.any()):
+                return
+            readable = freed & ~unreadable_context_rows(positions, slots, freed_blocks, self.block_size, self._prefix_caching)
+            states, positions, slots = self._deferred.rows_where(readable)
+            self._deferred.remove_where(freed)
         if positions.numel():
             self._store_context(states, positions, slots)
 

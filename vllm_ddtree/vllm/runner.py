@@ -79,16 +79,12 @@ from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 logger = logging.getLogger("vllm.ddtree")
 
 
-def _blocks_may_change_hands(scheduler_output: Any) -> bool:
-    """Whether KV blocks may have been freed or handed to other requests since the last step (requests
-    finished, were preempted, arrived or resumed): deferred draft context must be stored (or, where no
-    request can read it, dropped) first."""
-    return bool(
-        scheduler_output.finished_req_ids
-        or scheduler_output.preempted_req_ids
-        or scheduler_output.scheduled_new_reqs
-        or scheduler_output.scheduled_cached_reqs.resumed_req_ids
-    )
+def _freed_req_ids(scheduler_output: Any) -> set[str]:
+    """The requests whose KV blocks were freed since the last step (they finished or were preempted):
+    their blocks may be given to other requests in this step, so the deferred draft context in them
+    must be stored (or, where no request can read it, dropped) first. An arriving or resumed request
+    gets only blocks that were free (settled when freed) or full cached blocks that nothing writes."""
+    return scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
 
 
 class DDTreeRunnerMixin:
@@ -229,10 +225,10 @@ class DDTreeRunnerMixin:
         self._drafted = False
         self._plain_step = self._next_shape_chosen = False
         self._step_shape = self.drafter.last_shape
-        if _blocks_may_change_hands(scheduler_output):  # before vLLM drops the finished requests' states
+        freed = _freed_req_ids(scheduler_output)
+        if freed and self.drafter.deferred_rows:  # before vLLM drops the finished requests' states
             gid = self.drafter.kv_cache_gid
-            finished = [self.requests[r].block_ids[gid] for r in scheduler_output.finished_req_ids if r in self.requests]
-            self.drafter.store_deferred_context(finished)
+            self.drafter.store_deferred_context([self.requests[r].block_ids[gid] for r in freed if r in self.requests])
         if self.clock is not None:
             if scheduler_output.scheduled_new_reqs:
                 self.clock.policy.requests_arrived(len(scheduler_output.num_scheduled_tokens))
