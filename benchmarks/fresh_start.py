@@ -41,8 +41,10 @@ def new_policy(worker: Any, seeded: bool) -> int:
     return len(costs)
 
 
-def startup_seconds(worker: Any) -> float:
-    return float(getattr(worker.model_runner, "startup_seconds", 0.0))
+def startup_timing(worker: Any) -> tuple[float, list[int]]:
+    """(seconds the start-up timing took, batch sizes it timed) of a DDTree runner."""
+    runner = worker.model_runner
+    return float(getattr(runner, "startup_seconds", 0.0)), sorted({batch for batch, _ in getattr(runner, "startup_costs", None) or {}})
 
 
 def main() -> int:
@@ -72,7 +74,8 @@ def main() -> int:
         print(errors)
         return 1
     default = next(e for e in engines if e.name == "default")
-    print(f"start-up timing of the default engine: {default.llm.collective_rpc(startup_seconds)[0]:.2f} s")
+    seconds, batches = default.llm.collective_rpc(startup_timing)[0]
+    print(f"start-up timing of the default engine: {seconds:.2f} s, batch sizes {batches}")
     runs = [("plain", "plain", None), *((("dflash", "dflash", None),) if args.temperature == 0 else ()),
             ("default", "startup", True), ("default", "online", False)]
     by_name = {e.name: e for e in engines}
