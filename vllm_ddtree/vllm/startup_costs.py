@@ -29,7 +29,6 @@ Invariants:
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,8 +38,6 @@ from vllm.distributed import get_tp_group
 
 from vllm_ddtree.core import TreeShape
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
-
-logger = logging.getLogger("vllm.ddtree")
 
 BATCHES = (1, 3, 6, 12, 24, 48, 96, 192, 384)
 """Batch sizes timed: one per batch bucket of the policy (1 | 2-3 | 4-7 | ...), in the bucket's upper
@@ -126,7 +123,7 @@ def _target_step(runner: Any, batch: int, rows: int) -> None:
 def _draft_pass(drafter: Any, batch: int, depth: int, candidates: int) -> None:
     """DFlash's dummy pass for `batch` requests (context store and block pass over batch x (1 + depth)
     rows), then its LM head and top-`candidates` over the batch x depth mask rows (`_sample_draft_tokens`)."""
-    drafter.dummy_run(batch * (1 + depth), use_cudagraphs=False)
+    drafter.dummy_run(batch * (1 + depth))  # on a GPU, the graphs the engine's own draft passes replay
     saved = drafter._candidates
     drafter._candidates = candidates
     try:
