@@ -43,7 +43,6 @@ from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, Mi
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.core import (
-    AdaptiveBudget,
     BudgetPolicy,
     SamplingRegimes,
     StepClock,
@@ -73,7 +72,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.startup_costs import time_step_costs
+from vllm_ddtree.vllm.startup_costs import seed_budget_policy
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -149,29 +148,12 @@ class DDTreeRunnerMixin:
     """How long that timing took."""
 
     def time_startup_costs(self) -> None:
-        """Time the step costs of the budget policy's shapes (`startup_costs.time_step_costs`) and start the
-        policy from them. The worker calls it once the KV cache is allocated and vLLM's warm-up is done;
-        without an adaptive policy (`ddtree_adaptive` false, or a policy set by hand) it does nothing."""
-        policy = self.drafter.budget_policy
-        if not isinstance(policy, (SamplingRegimes, AdaptiveBudget)):
-            return
-        enabled, self.stage_times.enabled = self.stage_times.enabled, False  # dummy passes are no step's stages
-        start = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                costs = time_step_costs(self, policy.shapes)
-        except Exception as exc:  # noqa: BLE001 - an optimisation: the policy then times every shape online
-            logger.warning("method 'ddtree': step costs could not be timed at start-up (%s: %s); the budget policy "
-                           "times every shape online", type(exc).__name__, exc)
-            return
-        finally:
-            self.stage_times.enabled = enabled
-        self.startup_seconds = time.perf_counter() - start
-        self.startup_costs = costs
-        policy.seed_costs(costs)
-        batches = sorted({batch for batch, _ in self.startup_costs})
-        logger.info("method 'ddtree': step costs of %d shapes timed at batch sizes %s in %.2f s (the budget policy starts from them)",
-                    len(policy.shapes), batches, self.startup_seconds)
+        """Time the step costs of the budget policy's shapes and start the policy from them
+        (`startup_costs.seed_budget_policy`). The worker calls it once the KV cache is allocated and vLLM's
+        warm-up is done; without an adaptive policy it does nothing."""
+        timed = seed_budget_policy(self)
+        if timed is not None:
+            self.startup_costs, self.startup_seconds = timed
 
     def use_budget_policy(self, policy: BudgetPolicy) -> None:
         """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""

@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +37,10 @@ from typing import Any
 import torch
 from vllm.distributed import get_tp_group
 
-from vllm_ddtree.core import TreeShape
+from vllm_ddtree.core import AdaptiveBudget, SamplingRegimes, TreeShape
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
+
+logger = logging.getLogger("vllm.ddtree")
 
 BATCHES = (1, 3, 6, 12, 24, 48, 96, 192, 384)
 """Batch sizes timed: one per batch bucket of the policy (1 | 2-3 | 4-7 | ...), in the bucket's upper
@@ -51,6 +54,33 @@ TIME_LIMIT_S = 1.5
 """No larger batch size is timed once it would end the timing past this many seconds: the largest
 batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
 policy times shapes online anyway."""
+
+
+def seed_budget_policy(runner: Any) -> tuple[dict[tuple[int, TreeShape], float], float] | None:
+    """Time the step costs of the shapes of `runner`'s adaptive budget policy (`time_step_costs`) and seed
+    the policy with them; returns (the costs, seconds the timing took). None, and nothing timed, without
+    an adaptive policy (`ddtree_adaptive` false, or a policy set by hand), or where the timing failed
+    (logged: the policy then times every shape online, as it would without a table)."""
+    policy = runner.drafter.budget_policy
+    if not isinstance(policy, (SamplingRegimes, AdaptiveBudget)):
+        return None
+    stage_times = runner.stage_times
+    enabled, stage_times.enabled = stage_times.enabled, False  # dummy passes are no step's stages
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            costs = time_step_costs(runner, policy.shapes)
+    except Exception as exc:  # noqa: BLE001 - an optimisation: the policy then times every shape online
+        logger.warning("method 'ddtree': step costs could not be timed at start-up (%s: %s); the budget policy "
+                       "times every shape online", type(exc).__name__, exc)
+        return None
+    finally:
+        stage_times.enabled = enabled
+    seconds = time.perf_counter() - start
+    policy.seed_costs(costs)
+    logger.info("method 'ddtree': step costs of %d shapes timed at batch sizes %s in %.2f s (the budget policy starts from them)",
+                len(policy.shapes), sorted({batch for batch, _ in costs}), seconds)
+    return costs, seconds
 
 
 def _least(run: Callable[[], Any], sync: Callable[[], None]) -> float:
