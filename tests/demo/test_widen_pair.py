@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-from functools import partial
 
 import pytest
 import torch
@@ -102,39 +101,16 @@ def test_widened_target_logits_and_greedy_equal_tiny(target_pair):
         assert torch.equal(wide.generate(ids, **kw), tiny.generate(ids, **kw))
 
 
-def _draft(draft_dir: str):
-    """The training code's DFlash draft (vLLM's computation) with every RMSNorm at the config's eps
-    (the training code's norms fix eps at the tiny pair's 1e-6)."""
-    from safetensors.torch import load_file
-
-    from vllm_ddtree.demo.pair_model import DFlashDraft, _Norm, rms_norm
-    from vllm_ddtree.demo.train_pair import Recipe
-
-    with open(os.path.join(draft_dir, "config.json")) as f:
-        cfg = json.load(f)
-    recipe = Recipe(
-        hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg["head_dim"], intermediate=cfg["intermediate_size"],
-        rope_theta=cfg["rope_parameters"]["rope_theta"], draft_layers=cfg["num_hidden_layers"],
-        block_size=cfg["block_size"], target_layer_ids=cfg["dflash_config"]["target_layer_ids"], tie_k_norm=False,
-    )
-    draft = DFlashDraft(recipe).eval()
-    draft.load_state_dict(load_file(os.path.join(draft_dir, "model.safetensors")))
-    for m in draft.modules():
-        if isinstance(m, _Norm):
-            m.forward = partial(lambda x, w: rms_norm(x, w, cfg["rms_norm_eps"]), w=m.weight)
-    return draft, cfg
-
-
 def test_widened_draft_outputs_equal_tiny(widened, target_pair):
     from vllm_ddtree.demo.pair_model import draft_logits
+    from vllm_ddtree.demo.reference import load_draft
 
     ids = torch.tensor(PROMPTS)
     anchors = torch.tensor([5, 17, 30, 40])
     logits = []
     with torch.no_grad():
         for model, draft_dir in zip(target_pair, (os.path.join(PAIR_DIR, "draft"), os.path.join(widened, "draft"))):
-            draft, cfg = _draft(draft_dir)
+            draft, _, cfg = load_draft(draft_dir)  # every RMSNorm at the config's eps
             mask_id = cfg["dflash_config"]["mask_token_id"]
             hidden = model(ids, output_hidden_states=True).hidden_states
             feats = torch.cat([hidden[i + 1] for i in cfg["dflash_config"]["target_layer_ids"]], -1)

@@ -64,14 +64,15 @@ class CachedTarget:
         ids; writes K/V at start..start+T-1 of ``cache`` (from ``new_cache``).
         Returns (logits [B, T, V], features [B, T, len(feature_layers) * d])."""
         cfg, (B, T) = self.cfg, ids.shape
+        eps = cfg.rms_norm_eps  # one epsilon for every norm, as HF and vLLM Qwen3
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         cos, sin = rope_cos_sin(torch.arange(start, start + T), hd, self.theta)
         x = F.embedding(ids, self.embed)
         feats = []
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w["input_layernorm.weight"])
-            q = rms_norm((h @ w["self_attn.q_proj.weight"].T).view(B, T, nh, hd), w["self_attn.q_norm.weight"])
-            k = rms_norm((h @ w["self_attn.k_proj.weight"].T).view(B, T, nkv, hd), w["self_attn.k_norm.weight"])
+            h = rms_norm(x, w["input_layernorm.weight"], eps)
+            q = rms_norm((h @ w["self_attn.q_proj.weight"].T).view(B, T, nh, hd), w["self_attn.q_norm.weight"], eps)
+            k = rms_norm((h @ w["self_attn.k_proj.weight"].T).view(B, T, nkv, hd), w["self_attn.k_norm.weight"], eps)
             v = (h @ w["self_attn.v_proj.weight"].T).view(B, T, nkv, hd)
             q = apply_rope(q.transpose(1, 2), cos, sin)
             kc, vc = cache[i]
@@ -85,41 +86,42 @@ class CachedTarget:
                 mask = kpos[None, :] <= (torch.arange(start, start + T)[:, None])
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
             x = x + o.transpose(1, 2).reshape(B, T, nh * hd) @ w["self_attn.o_proj.weight"].T
-            h = rms_norm(x, w["post_attention_layernorm.weight"])
+            h = rms_norm(x, w["post_attention_layernorm.weight"], eps)
             x = x + (F.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
             if i in self.feature_layers:
                 feats.append(x)
-        logits = rms_norm(x, self.norm) @ self.lm_head.T
+        logits = rms_norm(x, self.norm, eps) @ self.lm_head.T
         return logits, torch.cat(feats, dim=-1)
 
 
 class DraftLayer(nn.Module):
     """One Qwen3 decoder layer; parameter names equal the checkpoint's ``layers.i.*``."""
 
-    def __init__(self, d: int, nh: int, nkv: int, hd: int, inter: int):
+    def __init__(self, d: int, nh: int, nkv: int, hd: int, inter: int, eps: float = 1e-6):
         super().__init__()
         self.self_attn = nn.Module()
         self.self_attn.q_proj = nn.Linear(d, nh * hd, bias=False)
         self.self_attn.k_proj = nn.Linear(d, nkv * hd, bias=False)
         self.self_attn.v_proj = nn.Linear(d, nkv * hd, bias=False)
         self.self_attn.o_proj = nn.Linear(nh * hd, d, bias=False)
-        self.self_attn.q_norm = _Norm(hd)
-        self.self_attn.k_norm = _Norm(hd)
+        self.self_attn.q_norm = _Norm(hd, eps)
+        self.self_attn.k_norm = _Norm(hd, eps)
         self.mlp = nn.Module()
         self.mlp.gate_proj = nn.Linear(d, inter, bias=False)
         self.mlp.up_proj = nn.Linear(d, inter, bias=False)
         self.mlp.down_proj = nn.Linear(inter, d, bias=False)
-        self.input_layernorm = _Norm(d)
-        self.post_attention_layernorm = _Norm(d)
+        self.input_layernorm = _Norm(d, eps)
+        self.post_attention_layernorm = _Norm(d, eps)
 
 
 class _Norm(nn.Module):
-    def __init__(self, n: int):
+    def __init__(self, n: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DFlashDraft(nn.Module):
@@ -139,16 +141,16 @@ class DFlashDraft(nn.Module):
       out = norm(x) -> TARGET lm_head; block row k (k >= 1) predicts x_{a_j + k}.
     """
 
-    def __init__(self, r: Recipe):
+    def __init__(self, r: Recipe, eps: float = 1e-6):
         super().__init__()
         d = r.hidden
         self.r = r
         self.fc = nn.Linear(len(r.target_layer_ids) * d, d, bias=False)
-        self.hidden_norm = _Norm(d)
+        self.hidden_norm = _Norm(d, eps)
         self.layers = nn.ModuleList(
-            DraftLayer(d, r.heads, r.kv_heads, r.head_dim, r.intermediate) for _ in range(r.draft_layers)
+            DraftLayer(d, r.heads, r.kv_heads, r.head_dim, r.intermediate, eps) for _ in range(r.draft_layers)
         )
-        self.norm = _Norm(d)
+        self.norm = _Norm(d, eps)
         if r.tie_k_norm:
             for layer in self.layers[1:]:
                 layer.self_attn.k_norm = self.layers[0].self_attn.k_norm

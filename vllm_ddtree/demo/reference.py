@@ -37,16 +37,14 @@ class ReferenceResult:
         return [sum(1 for a in self.accepted[budget] if a >= k) for k in range(1, depth + 1)]
 
 
-def load_pair(target_dir: str, draft_dir: str):
-    """(CachedTarget, DFlashDraft, Recipe, mask token id) in float32, eval mode."""
-    import torch
+def load_draft(draft_dir: str):
+    """(DFlashDraft, Recipe, config dict) of a DFlash checkpoint in float32, eval mode, every norm at the
+    config's epsilon."""
     from safetensors.torch import load_file
-    from transformers import Qwen3ForCausalLM
 
-    from vllm_ddtree.demo.pair_model import CachedTarget, DFlashDraft
+    from vllm_ddtree.demo.pair_model import DFlashDraft
     from vllm_ddtree.demo.train_pair import Recipe
 
-    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     with open(os.path.join(draft_dir, "config.json")) as f:
         cfg = json.load(f)
     recipe = Recipe(
@@ -56,8 +54,20 @@ def load_pair(target_dir: str, draft_dir: str):
         block_size=cfg["block_size"], target_layer_ids=cfg["dflash_config"]["target_layer_ids"],
         tie_k_norm=False,  # load every layer's own k_norm as stored
     )
-    draft = DFlashDraft(recipe).eval()
+    draft = DFlashDraft(recipe, eps=cfg["rms_norm_eps"]).eval()
     draft.load_state_dict(load_file(os.path.join(draft_dir, "model.safetensors")))
+    return draft, recipe, cfg
+
+
+def load_pair(target_dir: str, draft_dir: str):
+    """(CachedTarget, DFlashDraft, Recipe, mask token id) in float32, eval mode."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from vllm_ddtree.demo.pair_model import CachedTarget
+
+    target = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft, recipe, cfg = load_draft(draft_dir)
     return CachedTarget(target, recipe.target_layer_ids), draft, recipe, cfg["dflash_config"]["mask_token_id"]
 
 
