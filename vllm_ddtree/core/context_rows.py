@@ -22,11 +22,13 @@ def unreadable_context_rows(
     prefix_caching: bool,
 ) -> torch.Tensor:
     """[n] bool: the deferred rows (positions [n], KV slots [n], slot = block id x block_size + offset)
-    that no request can read, given the KV block tables of the requests that finished.
+    that no request can read, given the KV block tables of the requests that finished (or were
+    preempted: their blocks are freed alike).
 
-    A finished request's rows are those in a block of its table. Invariants the caller keeps: the rows
-    held are emptied (stored or dropped) whenever blocks may change hands, so no row belongs to a
-    block's earlier owner; and they are stored before every draft pass, so a request's rows held are
+    A finished request's rows are those in a block of its table. Invariants the caller keeps: a freed
+    request's rows held are stored or dropped before its blocks can be given to another request, so no
+    row belongs to a block's earlier owner; and every row held is stored before each draft pass, and
+    rows leave the held set all at once or by whole blocks, so a request's rows held are
     the tokens it computed since, its highest position the last token it computed. That token's block
     is partial unless the token ends it; a partial block holds the request's only uncached rows.
     The finished requests' tables are read on the host (lists); the rows stay on their device."""
