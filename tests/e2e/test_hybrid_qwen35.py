@@ -58,6 +58,21 @@ def _record_forward_positions(runner, seen: list[tuple[np.ndarray, np.ndarray, n
     runner._model_forward = recording_forward
 
 
+def _record_draft_context_positions(drafter, seen: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """Append, at every draft pass, (the target positions handed to the draft, first section [C]; the
+    draft's context positions vLLM's DFlash input kernel laid out from them [C])."""
+    set_inputs = drafter.set_inputs_first_pass
+
+    def recording_set_inputs(*args, **kwargs):
+        out = set_inputs(*args, **kwargs)
+        count = kwargs["target_token_ids"].shape[0]
+        target = np.atleast_2d(kwargs["target_positions"].numpy())[0, :count]
+        seen.append((target.copy(), drafter._context_positions_buffer[:count].numpy().copy()))
+        return out
+
+    drafter.set_inputs_first_pass = recording_set_inputs
+
+
 def _ddtree_engine(target: str, draft: str, **kwargs):
     from vllm import LLM
 
@@ -66,9 +81,10 @@ def _ddtree_engine(target: str, draft: str, **kwargs):
                speculative_config={"method": "ddtree", "model": draft, "ddtree_adaptive": False, **kwargs})
 
 
-def _tree_run(target: str, draft: str, seen: list) -> Run:
+def _tree_run(target: str, draft: str, seen: list, seen_by_draft: list) -> Run:
     llm = _ddtree_engine(target, draft, num_speculative_tokens=BUDGET)
     _record_forward_positions(model_runner(llm), seen)
+    _record_draft_context_positions(model_runner(llm).drafter, seen_by_draft)
     try:
         outputs = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
         metrics = {m.name: getattr(m, "values", None) or getattr(m, "value", None) for m in llm.get_metrics()
@@ -103,13 +119,15 @@ def runs(request, tmp_path_factory) -> dict[str, object]:
     plain_engine = {"enable_prefix_caching": False, "language_model_only": bool(variant.get("multimodal")), **ENGINE}
     plain, margins = _plain_margins(target, plain_engine)
     seen: list = []
+    seen_by_draft: list = []
     return {
         "plain": plain,
         "margins": margins,
         "chain": run_engine(target, {"method": "dflash", "model": draft, "num_speculative_tokens": CHAIN}, PROMPTS, _greedy(),
                             **plain_engine),
-        "tree": _tree_run(target, draft, seen),
+        "tree": _tree_run(target, draft, seen, seen_by_draft),
         "positions": seen,
+        "draft positions": seen_by_draft,
         "sections": 3 if variant.get("multimodal") else 1,
     }
 
@@ -140,6 +158,15 @@ def test_every_tree_node_reaches_the_forward_at_start_plus_depth_in_every_positi
         for section in sections:
             np.testing.assert_array_equal(section[rows[valid]], expected[valid])
     assert any((expected.max(axis=1) > expected[:, 0] + 1).any() for _, expected, _ in seen)  # depth, not only roots
+
+
+def test_the_draft_lays_its_context_at_the_targets_first_position_section(runs):
+    """vLLM's DFlash draft takes 1-D positions: from an M-RoPE target's [3, rows] positions its input kernel
+    reads the first section, which our runner has put back to linear positions after the verify pass."""
+    seen = runs["draft positions"]
+    assert len(seen) >= 5
+    for target, context in seen:
+        np.testing.assert_array_equal(context, target)
 
 
 def test_image_input_is_refused_per_request_and_the_engine_keeps_serving(tmp_path):
