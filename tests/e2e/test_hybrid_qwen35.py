@@ -77,16 +77,19 @@ def _ddtree_engine(target: str, draft: str, **kwargs):
     from vllm import LLM
 
     return LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, distributed_executor_backend="uni",
-               kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0, disable_log_stats=False, **ENGINE,
+               kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, seed=0,
+               disable_log_stats=False, **ENGINE,
                speculative_config={"method": "ddtree", "model": draft, "ddtree_adaptive": False, **kwargs})
 
 
 def _tree_run(target: str, draft: str, seen: list, seen_by_draft: list) -> Run:
     llm = _ddtree_engine(target, draft, num_speculative_tokens=BUDGET)
-    _record_forward_positions(model_runner(llm), seen)
-    _record_draft_context_positions(model_runner(llm).drafter, seen_by_draft)
+    runner = model_runner(llm)
+    _record_forward_positions(runner, seen)
+    _record_draft_context_positions(runner.drafter, seen_by_draft)
     try:
         outputs = llm.generate(PROMPTS, _greedy(), use_tqdm=False)
+        assert runner.num_chain_fallbacks == 0, "scheduled drafts that were not the proposed trees"
         metrics = {m.name: getattr(m, "values", None) or getattr(m, "value", None) for m in llm.get_metrics()
                    if m.name.startswith("vllm:spec_decode")}
         return Run([list(o.outputs[0].token_ids) for o in outputs], [o.outputs[0].finish_reason for o in outputs], metrics)

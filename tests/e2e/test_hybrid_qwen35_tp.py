@@ -2,8 +2,8 @@
 language model only) under tensor parallelism 2 on CPU (multiprocess executor, one core per rank).
 
 The bf16 bar of test_hybrid_qwen35.py: ddtree's greedy output agrees with plain decoding's (TP=1) up to
-plain decoding's first near-tie, or as far as vLLM's DFlash chain under TP=2 does; the tree commits more tokens per verify step than vLLM's DFlash chain
-under TP=2. The pair's GDN layers have 2 key / 4 value heads so they shard.
+plain decoding's first near-tie, or as far as vLLM's DFlash chain under TP=2 does; the tree commits more
+tokens per verify step than that chain. The pair's GDN layers have 2 key / 4 value heads so they shard.
 Engines run one after another, each shut down before the next starts.
 """
 
