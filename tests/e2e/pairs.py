@@ -72,7 +72,7 @@ def focus_head(target, u: torch.Tensor, gen: torch.Generator) -> None:
     noise = torch.randn(len(FOCUS), head.shape[1], generator=gen) * 0.4
     along_u = 6.0 + 0.1 * torch.arange(len(FOCUS), dtype=torch.float32)
     head[list(FOCUS)] = torch.outer(along_u, u) + noise - torch.outer(noise @ u, u)
-    target.model.embed_tokens.weight[MASK_TOKEN_ID] = 6.0 * u
+    target.get_input_embeddings().weight[MASK_TOKEN_ID] = 6.0 * u
 
 
 def save_target(target, out_dir: str, focused: bool) -> str:

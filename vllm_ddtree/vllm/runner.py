@@ -170,8 +170,6 @@ class DDTreeRunnerMixin:
     @override
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        if self.uses_mrope:
-            raise NotImplementedError("method 'ddtree' does not support target models with M-RoPE")
         for layer in self._target_attention_layers():
             self._check_target_attention(layer)
         host_tree.warm_up()  # compiled now, not in the first steps the budget policy times
@@ -291,12 +289,17 @@ class DDTreeRunnerMixin:
     def _set_positions(self, rows: np.ndarray, positions: np.ndarray) -> None:
         """Overwrite the RoPE positions of batch `rows` in the runner's buffer: in place on the host (numpy's
         indexing), else by host-to-device copies without blocking (the host data is staged before the
-        call returns, and a blocking copy would wait for the device, a host sync every step on a GPU)."""
-        if self.positions.device.type == "cpu":
-            self.positions.numpy()[rows] = positions
-            return
-        device = self.positions.device
-        self.positions[torch.from_numpy(rows).to(device, non_blocking=True)] = torch.from_numpy(positions).to(device, self.positions.dtype, non_blocking=True)
+        call returns, and a blocking copy would wait for the device, a host sync every step on a GPU).
+        An M-RoPE target (`config.MROPE_ARCHITECTURES`, language model only) gets them in every section: a text
+        token's M-RoPE position is its 1-D position in all three."""
+        buffers = [self.positions] + ([self.mrope_positions.gpu.T] if self.uses_mrope else [])
+        for buffer in buffers:  # [num_tokens] or, M-RoPE, [num_tokens, sections]
+            if buffer.device.type == "cpu":
+                buffer.numpy()[rows] = positions[:, None] if buffer.dim() == 2 else positions
+                continue
+            device = buffer.device
+            values = torch.from_numpy(positions).to(device, buffer.dtype, non_blocking=True)
+            buffer[torch.from_numpy(rows).to(device, non_blocking=True)] = values[:, None] if buffer.dim() == 2 else values
 
     @override
     def _calc_spec_decode_metadata(self, num_draft_tokens: np.ndarray, cu_num_scheduled_tokens: np.ndarray) -> SpecDecodeMetadata:

@@ -81,11 +81,15 @@ REFUSALS: tuple[Refusal, ...] = (
             "start", _MATCHING_DRAFT),
     Refusal("hybrid targets other than Gated DeltaNet ones (Mamba hybrids such as Jamba), attention-free targets",
             "start", _PLAIN_OR_DFLASH),
-    Refusal("Gated DeltaNet hybrids (Qwen3-Next) on GPUs", "start", "serve them on CPU, or with method `dflash` on GPUs"),
-    Refusal("targets with M-RoPE (Qwen3.5/3.6, multimodal rotary positions); on GPUs, multimodal-prefix targets",
-            "start", _PLAIN_OR_DFLASH),
+    Refusal("Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5/3.6) on GPUs", "start", "serve them on CPU, or with method `dflash` on GPUs"),
+    Refusal("targets with M-RoPE (multimodal rotary positions) other than Qwen3.5/3.6 (Qwen2/3-VL, ...); on GPUs, "
+            "multimodal-prefix targets", "start", _PLAIN_OR_DFLASH),
+    Refusal("a draft with M-RoPE", "start", _MATCHING_DRAFT),
     Refusal("target attention with sliding windows, ALiBi, logit soft-capping, attention sinks or non-decoder "
             "attention, or more than one attention KV cache group", "start", _PLAIN_OR_DFLASH),
+    Refusal("image or video inputs to a Qwen3.5/3.6 target (its multimodal classes run as language models only: "
+            "`language_model_only` forced, no vision tower loaded); vLLM refuses them: \"Multi-modal processor not "
+            "available for text-only models\"", "request", _ELSEWHERE),
     Refusal("structured outputs with the outlines or lm-format-enforcer backend", "request",
             f"use xgrammar (vLLM's default) or guidance, or {_ELSEWHERE}"),
     Refusal("`thinking_token_budget`", "request", _ELSEWHERE),

@@ -129,7 +129,7 @@ MASKED_REASONING_ENDS = VLLMMember(
 
 SURFACE: tuple[VLLMMember, ...] = (
     # ---- overrides: DDTreeRunnerMixin (runner.py) over vLLM's V1 runner ----------------------------------------------
-    VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers and refuses M-RoPE after the load", params=("...",)),
+    VLLMMember(_CPU_RUNNER, "load_model", "override", "checks the target's attention layers after the load", params=("...",)),
     VLLMMember(_CPU_RUNNER, "initialize_kv_cache", "override", "finds the attention group and a hybrid target's GDN state groups; refuses other layouts; drops the CPU runner's views of the old caches (`_kv_row_caches`)", params=("kv_cache_config", "...")),
     VLLMMember(_GPU_RUNNER, "load_model", "override", "the same check on CUDA (DDTreeGPUModelRunner)", params=("...",)),
     VLLMMember(_GPU_RUNNER, "initialize_kv_cache", "override", "the same refusal on CUDA (DDTreeGPUModelRunner)", params=("kv_cache_config", "...")),
@@ -178,7 +178,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.worker.worker_base.WorkerBase", "vllm_config", "the GPU worker builds our runner with its config"),
     *_reads(_GPU_WORKER, "device", "the GPU worker builds our runner on its device", created_in="init_device"),
     *_reads(_GPU_RUNNER, "vllm_config input_batch", "the runner's config and batch"),
-    *_reads(_GPU_RUNNER, "uses_mrope", "M-RoPE targets are refused: tree nodes take 1-D positions"),
+    *_reads(_GPU_RUNNER, "uses_mrope mrope_positions", "an M-RoPE target's node rows get start + depth in every section (.gpu), then linear ones for the draft"),
     *_reads(_GPU_RUNNER, "is_mm_prefix_lm", "mm-prefix LMs are refused on CUDA: uniform verify batches are recomputed with causal and tree masks"),
     *_reads(_GPU_RUNNER, "positions", "node rows get RoPE positions start + depth, then linear ones for the draft; an off step's context positions"),
     *_reads(_GPU_RUNNER, "device input_ids", "a step without drafts' spec-decode metadata: its empty draft_token_ids (a view of input_ids.gpu) on the runner's device"),
