@@ -10,6 +10,8 @@ gives NaN in both): our penalties do vLLM's float ops in vLLM's order (`node_log
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
@@ -20,19 +22,19 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors  # noqa: E402
-from vllm.v1.sample.logits_processor.builtin import (  # noqa: E402
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import (
     LogitBiasLogitsProcessor,
     MinPLogitsProcessor,
     MinTokensLogitsProcessor,
 )
-from vllm.v1.sample.metadata import SamplingMetadata  # noqa: E402
-from vllm.v1.sample.sampler import Sampler  # noqa: E402
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.sampler import Sampler
 
-from tests.core.strategies import draft_tables  # noqa: E402
-from vllm_ddtree.core import DraftTree, build_draft_trees  # noqa: E402
-from vllm_ddtree.vllm.node_logits import path_tokens, process_node_logits  # noqa: E402
-from vllm_ddtree.vllm.v1.options import read_v1_options  # noqa: E402
+from tests.core.strategies import draft_tables
+from vllm_ddtree.core import DraftTree, build_draft_trees
+from vllm_ddtree.vllm.node_logits import path_tokens, process_node_logits
+from vllm_ddtree.vllm.v1.options import read_v1_options
 
 VOCAB = 8
 CPU = torch.device("cpu")
@@ -132,7 +134,7 @@ def small_tree(paths: list[list[int]]) -> DraftTree:
     index = {tuple(p): i for i, p in enumerate(paths)}
     parents = [-1] + [index[tuple(p[:-1])] for p in paths[1:]]
     tokens = [0] + [p[-1] for p in paths[1:]]
-    as_row = lambda values: torch.tensor([values])  # noqa: E731
+    as_row = lambda values: torch.tensor([values])
     return DraftTree(
         token_ids=as_row(tokens), parents=as_row(parents), depths=as_row([len(p) for p in paths]),
         ranks=as_row([0] * len(paths)), valid=torch.ones(1, len(paths), dtype=torch.bool),
@@ -228,3 +230,10 @@ def test_the_v1_reader_reads_the_sampling_parameters():
     assert params.seeds == {1: 123}
     assert options.wants_logprobs and options.num_logprobs == 3
     assert not options.needs_node_processing
+
+
+def test_the_shared_option_modules_import_no_vllm():
+    """Runner-neutral: the record, the per-node processing and the sampling glue import neither runner."""
+    modules = "vllm_ddtree.vllm.options, vllm_ddtree.vllm.node_logits, vllm_ddtree.vllm.sampling"
+    code = f"import sys, {modules}; assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

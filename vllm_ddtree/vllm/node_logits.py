@@ -92,7 +92,7 @@ def _apply_penalties(node_logits: torch.Tensor, tree: DraftTree, penalties: Pena
     bit-equal: a seen token's (prompt or history) positive logit times the float32 reciprocal of the
     repetition penalty, any other seen logit times the penalty; then minus frequency x count, then
     minus presence x (count > 0). A request without penalties (0, 0, 1) comes out unchanged."""
-    num_req, num_nodes, vocab = node_logits.shape
+    num_req, _, vocab = node_logits.shape
     counts = penalties.output_counts.unsqueeze(1) + _path_counts(tree, vocab).to(node_logits.device)  # [R, N, V] int32
     seen = counts > 0
     scale = torch.where(penalties.prompt_mask.unsqueeze(1) | seen, penalties.repetition.view(num_req, 1, 1), 1.0)

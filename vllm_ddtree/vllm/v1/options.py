@@ -14,7 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+    MinTokensLogitsProcessor,
+)
 
 from vllm_ddtree.vllm.options import MinTokens, Penalties, RequestOptions, token_counts
 
