@@ -4,8 +4,10 @@ Ours: the batch's V1 sampling metadata (committed outputs) -> `read_v1_options` 
 on the tree. The oracle: vLLM 0.32's own `Sampler.apply_logits_processors` (allowed tokens,
 `apply_bad_words`, the min_tokens and logit_bias processors, `apply_all_penalties`) on one row per
 node, whose request's output is the committed output followed by the node's path (the node's history,
-as plain decoding would hold it). Compared bit for bit (NaN equal to NaN: an inf bias on a masked token
-gives NaN in both): our penalties do vLLM's float ops in vLLM's order (`node_logits._apply_penalties`).
+as plain decoding would hold it). Compared value for value, no tolerance: our penalties do vLLM's float
+ops in vLLM's order (`node_logits._apply_penalties`). NaN equals NaN (an inf bias on a masked token gives
+NaN in both); -0.0 equals +0.0 (vLLM subtracts a zero penalty from the logits of tokens no history holds,
+which we leave as they are: a -0.0 there is +0.0 in vLLM's).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.v1.sample.sampler import Sampler
 from tests.core.strategies import draft_tables
 from vllm_ddtree.core import DraftTree, build_draft_trees
 from vllm_ddtree.vllm.node_logits import path_tokens, process_node_logits
+from vllm_ddtree.vllm.sampling import plain_sampler_serves
 from vllm_ddtree.vllm.v1.options import read_v1_options
 
 VOCAB = 8
@@ -230,6 +233,15 @@ def test_the_v1_reader_reads_the_sampling_parameters():
     assert params.seeds == {1: 123}
     assert options.wants_logprobs and options.num_logprobs == 3
     assert not options.needs_node_processing
+
+
+def test_min_tokens_without_stop_tokens_keeps_its_batch_on_the_core_rule():
+    """ignore_eos and no stop ids: nothing to mask, but the batch stays a core-rule batch at every step."""
+    request = Request(prompt=[0], output=[1], min_tokens=3)
+    options = read_v1_options(v1_metadata([request]), 1, CPU, VOCAB)
+    assert options.needs_node_processing and not plain_sampler_serves(options, has_structured_requests=False)
+    logits = torch.randn(1, len(PATHS), VOCAB, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(assert_equal_to_vllms_chain([request], small_tree(PATHS), logits), logits)
 
 
 def test_the_shared_option_modules_import_no_vllm():

@@ -75,7 +75,7 @@ def _mask_stops_before_min_tokens(rows: torch.Tensor, depths: torch.Tensor, opti
     `option.tokens_left`; with `keep_if_all_masked`, a node whose row that leaves all -inf keeps its
     finite stop logits."""
     early = (depths < option.tokens_left).nonzero().squeeze(1).to(rows.device)
-    if not early.numel():
+    if not early.numel() or not option.stop_token_ids:
         return
     cells = early.unsqueeze(1), torch.tensor(option.stop_token_ids, device=rows.device).unsqueeze(0)
     stop_logits = rows[cells]  # [E, S], a copy
@@ -91,23 +91,35 @@ def _apply_penalties(node_logits: torch.Tensor, tree: DraftTree, penalties: Pena
     Float ops as vLLM's (V1's `apply_all_penalties` on CPU and V2's kernel alike), so the results are
     bit-equal: a seen token's (prompt or history) positive logit times the float32 reciprocal of the
     repetition penalty, any other seen logit times the penalty; then minus frequency x count, then
-    minus presence x (count > 0). A request without penalties (0, 0, 1) comes out unchanged."""
-    num_req, _, vocab = node_logits.shape
-    counts = penalties.output_counts.unsqueeze(1) + _path_counts(tree, vocab).to(node_logits.device)  # [R, N, V] int32
-    seen = counts > 0
-    scale = torch.where(penalties.prompt_mask.unsqueeze(1) | seen, penalties.repetition.view(num_req, 1, 1), 1.0)
-    node_logits.mul_(torch.where(node_logits > 0, 1.0 / scale, scale))
-    node_logits.sub_(penalties.frequency.view(num_req, 1, 1) * counts)
-    node_logits.sub_(penalties.presence.view(num_req, 1, 1) * seen)
+    minus presence x (count > 0). A request without penalties (0, 0, 1) comes out unchanged.
+
+    Only the columns a request can have seen (its prompt's, its output's and its tree's tokens) are
+    computed: vLLM multiplies every other logit by 1 and subtracts 0 from it, which leaves its value
+    (a -0.0 logit under a negative penalty becomes +0.0 there, an equal value)."""
+    paths = _path_token_ids(tree).to(node_logits.device, torch.int64)  # [R, N, span], -1 off the path
+    tree_tokens = tree.token_ids.to(node_logits.device, torch.int64)
+    for request in range(node_logits.shape[0]):
+        seen_anywhere = penalties.prompt_mask[request] | (penalties.output_counts[request] > 0)
+        seen_anywhere[tree_tokens[request]] = True
+        columns = seen_anywhere.nonzero().squeeze(1)  # [S] ascending token ids
+        path = paths[request]
+        slots = torch.where(path >= 0, torch.searchsorted(columns, path.clamp(min=0)), len(columns))  # S: off the path
+        counts = torch.zeros(path.shape[0], len(columns) + 1, dtype=torch.int32, device=node_logits.device)
+        counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
+        counts = counts[:, :-1] + penalties.output_counts[request, columns]  # [N, S]
+        seen = counts > 0
+        scale = torch.where(penalties.prompt_mask[request, columns] | seen, penalties.repetition[request], 1.0)
+        logits = node_logits[request][:, columns]  # [N, S], a copy
+        logits.mul_(torch.where(logits > 0, 1.0 / scale, scale))
+        logits.sub_(penalties.frequency[request] * counts)
+        logits.sub_(penalties.presence[request] * seen)
+        node_logits[request][:, columns] = logits
 
 
-def _path_counts(tree: DraftTree, vocab: int) -> torch.Tensor:
-    """[R, N, V] int32: how often each token occurs on each node's path (root excluded)."""
+def _path_token_ids(tree: DraftTree) -> torch.Tensor:
+    """[R, N, span] the tokens on each node's path (root excluded), the node's first, -1 past the path."""
     span = max(tree.max_depth, 1)
     ancestors = ancestor_table(tree.parents, span)  # [R, N, span]: the node, its parent, ...
     tokens = tree.token_ids.gather(1, ancestors.clamp(min=0).flatten(1)).view(ancestors.shape)
-    on_path = torch.arange(span, device=tokens.device) < tree.depths.unsqueeze(2)  # above depth 1: not on the path
-    tokens = torch.where(on_path, tokens, vocab)  # vocab: the bin of what is not on the path
-    counts = torch.zeros(*tokens.shape[:2], vocab + 1, dtype=torch.int32, device=tokens.device)
-    counts.scatter_add_(2, tokens.long(), torch.ones_like(tokens, dtype=torch.int32))
-    return counts[..., :vocab]
+    on_path = torch.arange(span, device=tokens.device) < tree.depths.unsqueeze(2)  # from depth 1 down to the node
+    return torch.where(on_path, tokens, -1)

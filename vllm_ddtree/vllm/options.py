@@ -6,9 +6,9 @@ first `num_reqs` rows in the runner's batch order; every per-request tensor has 
 device of the step's logits.
 
 Invariants:
-- a request appears in `bad_words`, `min_tokens` or `logit_bias` only when the option changes some of
-  its logits this step (a min_tokens request whose output reached min_tokens, or that has no stop
-  token, does not);
+- a request appears in `bad_words` or `logit_bias` only when it has some, in `min_tokens` only while
+  its output is shorter than min_tokens (with or without stop tokens: either way the batch is one that
+  only the core rule serves, `sampling.plain_sampler_serves`);
 - `penalties` is None when no request of the batch has a penalty; otherwise it holds every request's
   (presence 0, frequency 0, repetition 1 for those without: their logits come out unchanged);
 - `output_token_ids` holds the committed output of every request with bad words (the others' rows may
@@ -50,7 +50,7 @@ class MinTokens:
     """min_tokens minus the committed output's length (> 0): stops are masked at the nodes whose depth
     is below it (a node at depth d draws output token len(output) + d)."""
     stop_token_ids: tuple[int, ...]
-    """Non-empty, sorted."""
+    """Sorted; empty when the request has none (ignore_eos and no stop_token_ids)."""
     keep_if_all_masked: bool
     """A structured-output request: where masking its stops would leave a node's row all -inf (a grammar
     that has ended admits only stops), the stops keep their finite logits."""

@@ -67,7 +67,7 @@ def _min_tokens(processor: MinTokensLogitsProcessor | None, num_reqs: int) -> di
     return {
         r: MinTokens(min_tokens - len(output), tuple(sorted(stops)), structured)
         for r, (min_tokens, output, stops, structured) in processor.min_toks.items()
-        if r < num_reqs and stops and len(output) < min_tokens
+        if r < num_reqs and len(output) < min_tokens
     }
 
 
