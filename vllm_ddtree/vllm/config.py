@@ -35,7 +35,7 @@ layers as trees). Tensor parallelism is supported (every rank samples from the s
 logits and the sampled tokens are broadcast from rank 0, so all ranks accept the same path); so is data
 parallelism for dense targets (vLLM runs each DP rank of a dense model as an independent engine core,
 with its own runner and adaptive budget). The tree sampling rule is `vllm_ddtree.core.sampling`; its
-adapter to vLLM's per-request sampling state is `vllm_ddtree.vllm.sampling`.
+glue is `vllm_ddtree.vllm.sampling`, on the batch's options as `vllm_ddtree.vllm.v1.options` reads them.
 """
 
 from __future__ import annotations

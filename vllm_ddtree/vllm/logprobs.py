@@ -15,24 +15,23 @@ import torch
 from vllm.v1.outputs import LogprobsTensors
 
 from vllm_ddtree.core import TreeSamplingParams, process_logits
-from vllm_ddtree.vllm.sampling import tree_sampling_params
 
 if TYPE_CHECKING:
+    from vllm_ddtree.vllm.options import RequestOptions
     from vllm_ddtree.vllm.tree_step import TreeStep
 
 
 def emitted_logprobs(
-    sampler: Any, metadata: Any, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
+    sampler: Any, options: RequestOptions, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
 ) -> LogprobsTensors | None:
     """Logprobs of every emitted token of `step` (None unless a request of the batch asked for them: top
-    n, the whole vocabulary or `logprob_token_ids`; metadata: vLLM's sampling metadata; sampler: vLLM's).
+    n, the whole vocabulary or `logprob_token_ids`; options: the batch's; sampler: vLLM's).
     logits: the step's logits rows; processed [R, N, V]: the nodes' logits after their history-dependent
     options, or None; output [R, W]: the step's output rows (accepted drafts + bonus, -1 padded). Rows
     follow vLLM's layout for output: row r * W + k, rows of unused output slots zero (vLLM drops them
     with the slots). output and the acceptance are host tensors; the logprobs are computed and returned
     on the logits' device."""
-    token_ids_by_request = metadata.logprob_token_ids or {}
-    if metadata.max_num_logprobs is None and not token_ids_by_request:
+    if not options.wants_logprobs:
         return None
     assert step.acceptance is not None
     device = logits.device
@@ -44,10 +43,10 @@ def emitted_logprobs(
         source, rows = processed.flatten(0, 1), requests * step.tree.nodes_per_request + nodes
     else:
         source, rows = logits, step.node_logit_rows()[requests, nodes]
-    params = tree_sampling_params(metadata, step.tree.num_requests, device, top_k_one_is_greedy=False)
+    params = options.sampling_params(top_k_one_is_greedy=False)
     values = emitted_logprob_values(source, rows.to(device), requests.to(device), params, mode)
     gathered = gather_emitted_logprobs(sampler, values, output[emitted].long().to(device), requests,
-                                       metadata.max_num_logprobs, token_ids_by_request)
+                                       options.num_logprobs, options.logprob_token_ids)
     slots = emitted.flatten().nonzero().squeeze(1).to(device)
     width = gathered.logprob_token_ids.shape[1]
     token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)

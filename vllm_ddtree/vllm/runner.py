@@ -56,14 +56,10 @@ from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
-from vllm_ddtree.vllm.node_logits import needs_node_processing, process_node_logits
+from vllm_ddtree.vllm.node_logits import process_node_logits
+from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.proposer import DDTreeProposer
-from vllm_ddtree.vllm.sampling import (
-    gather_node_logits,
-    plain_sampler_serves,
-    sample_nodes,
-    tree_sampling_params,
-)
+from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -73,6 +69,7 @@ from vllm_ddtree.vllm.stage_times import (
     StageTimes,
 )
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
+from vllm_ddtree.vllm.v1.options import read_v1_options
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -96,6 +93,9 @@ class DDTreeRunnerMixin:
     _plain_step = False
     """This step is vLLM's plain decoding step (module docstring). A class default: vLLM's __init__ reads
     `speculative_config` before ours runs."""
+
+    options: RequestOptions
+    """This step's request options, read from vLLM's batch when the step starts (`_prepare_inputs`)."""
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
@@ -233,9 +233,10 @@ class DDTreeRunnerMixin:
         self.node_grammars.drop(scheduler_output.finished_req_ids)
         self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         has_drafts = any(scheduler_output.scheduled_spec_decode_tokens.values())
-        self._vllm_samples = not has_drafts and plain_sampler_serves(
-            self.input_batch.sampling_metadata, scheduler_output.has_structured_output_requests
+        self.options = read_v1_options(
+            self.input_batch.sampling_metadata, self.input_batch.num_reqs, self.device, self.vllm_config.model_config.get_vocab_size()
         )
+        self._vllm_samples = not has_drafts and plain_sampler_serves(self.options, scheduler_output.has_structured_output_requests)
         if self._vllm_samples and not self.gdn_groups:  # hybrid targets keep vLLM's speculative layout
             self._plain_step = self._choose_next_shape().is_off
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
@@ -366,13 +367,12 @@ class DDTreeRunnerMixin:
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         with self.stage_times.stage(ACCEPTANCE):
             self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
-            metadata = self.input_batch.sampling_metadata
-            if metadata.all_greedy and not needs_node_processing(metadata):  # every node's token: its row's argmax
+            if self.options.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax
                 processed, output = None, self._accept_greedy(logits, step)
             else:
                 processed = self._sample_nodes(logits, step)
                 output = self._walk(step)
-            logprobs = emitted_logprobs(self.sampler, self.input_batch.sampling_metadata, logits, processed, step, output)
+            logprobs = emitted_logprobs(self.sampler, self.options, logits, processed, step, output)
         if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
             with self.stage_times.stage(KV_COMPACTION):
                 self._compact_target_kv(step)
@@ -384,13 +384,12 @@ class DDTreeRunnerMixin:
         """Fill `step.target_token_ids`: the target's token at every node, TP rank 0's on every rank.
         Returns the nodes' logits after their history-dependent options (None when no request of the
         batch uses one), which logprobs may report."""
-        metadata = self.input_batch.sampling_metadata
         device = logits.device
-        params = tree_sampling_params(metadata, self.input_batch.num_reqs, device)
+        params = self.options.sampling_params()
         rows = step.node_logit_rows().to(device)
         processed = None
-        if needs_node_processing(metadata):
-            processed = process_node_logits(gather_node_logits(logits, rows), step, metadata)
+        if self.options.needs_node_processing:
+            processed = process_node_logits(gather_node_logits(logits, rows), step.tree, self.options)
         positions = step.draw_positions().to(device) if params.seeds else None  # only seeded draws are keyed
         target = sample_nodes(logits, rows, positions, params, processed)
         # The step's trees and the walk live on the host: one copy back, where vLLM reads the sampled
