@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 from typing_extensions import override
 from vllm.model_executor.layers.attention import Attention
@@ -19,7 +18,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
-from vllm_ddtree.vllm.paged_kv import RegionLayout, cache_bits, move_rows, probe_layout
+from vllm_ddtree.vllm.paged_kv import LayerRows
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 
@@ -63,20 +62,15 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self._kv_row_caches = None
 
-    _kv_row_caches: list[tuple[np.ndarray, RegionLayout, int]] | None = None
-    """Every target attention layer's cache as `cache_bits`, its layout and KV heads (built at the first
-    move after the caches are bound)."""
+    _kv_row_caches: LayerRows | None = None
+    """Every target attention layer's cache (`paged_kv.LayerRows`, built at the first move after the
+    caches are bound)."""
 
     @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         if self._kv_row_caches is None:
-            self._kv_row_caches = [
-                (cache_bits(layer.kv_cache), probe_layout(layer.isa, layer.kv_cache.shape[2], layer.head_size, layer.kv_cache.dtype), layer.num_kv_heads)
-                for layer in self._target_attention_layers()
-            ]
-        src, dst = src_slots.numpy().astype(np.int64, copy=False), dst_slots.numpy().astype(np.int64, copy=False)
-        for bits, layout, num_kv_heads in self._kv_row_caches:
-            move_rows(bits, layout, num_kv_heads, src, dst)
+            self._kv_row_caches = LayerRows(self._target_attention_layers())
+        self._kv_row_caches.move(src_slots, dst_slots)
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:

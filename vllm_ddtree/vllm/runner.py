@@ -47,7 +47,6 @@ from vllm_ddtree.core import (
     SamplingRegimes,
     StepClock,
     TreeShape,
-    compact_rows_,
     kv_compaction_plan,
 )
 from vllm_ddtree.core.sampling import argmax_first
@@ -72,6 +71,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
+from vllm_ddtree.vllm.steps import kv_slot_moves, path_first
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -453,10 +453,8 @@ class DDTreeRunnerMixin:
             return
         slots = step.node_slots
         if self._moves_kv_on_host:  # the real moves only (a path through first children has none)
-            requests, src, dst = step.kv_moves()
-            if requests.size:
-                host_slots = slots.numpy()
-                self._move_kv_rows(torch.from_numpy(host_slots[requests, src]), torch.from_numpy(host_slots[requests, dst]))
+            if (moves := kv_slot_moves(step)) is not None:
+                self._move_kv_rows(*moves)
             return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
@@ -552,20 +550,7 @@ class DDTreeRunnerMixin:
         return drafts
 
     def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
-        positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
-        accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
+        """The drafter's context in path order at linear positions (`steps.path_first`)."""
         if step.has_branching:  # chains already sit at linear positions
             self._set_positions(*step.linear_positions())
-        requests, src, dst = step.kv_moves()
-        if not requests.size:  # every accepted path already sits in path order
-            return aux_hidden_states
-        device = aux_hidden_states[0].device
-        root_rows = step.root_rows.numpy()[requests]
-        src, dst = torch.from_numpy(root_rows + src).to(device), torch.from_numpy(root_rows + dst).to(device)
-        reordered = []
-        for states in aux_hidden_states:
-            states = states.clone()
-            compact_rows_(states, src, dst)
-            reordered.append(states)
-        return reordered
+        return path_first(step, aux_hidden_states)
