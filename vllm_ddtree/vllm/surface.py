@@ -308,6 +308,7 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_V2_RUNNER, "sample", "override", "verify: every node's token, the walk and K/V compaction; vLLM's own sampling for steps without drafts", params=("hidden_states", "input_batch", "grammar_output"), returns_tuple=3),
     VLLMMember(_V2_RUNNER, "take_draft_token_ids", "override", "hand: each tree's nodes as real token lists (vLLM's handler hands placeholders)", params=()),
     VLLMMember(_V2_DFLASH, "propose", "override", "DFlash's pass at the tree's depth over the context in path order; the trees' nodes in its own buffer", params=("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled", "...")),
+    VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
     VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "keeps the top-K draft log-probs of every position; returns rank 0", params=("hidden_states", "...")),
     # ---- our objects in vLLM's places --------------------------------------------------------------------------------
     VLLMMember(_V2_RUNNER, "speculator", "replace", "DDTreeV2RunnerMixin.__init__ replaces vLLM's DFlashSpeculator with DDTreeSpeculator (vLLM 0.32: no speculator registry)", created_in="__init__"),

@@ -62,6 +62,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.draft_lists: list[list[int]] = []
         self.chain_view: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._candidates = 1
+        self._context_only = False
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def choose_shape(self, num_requests: int, context_tokens: float) -> TreeShape:
@@ -86,8 +87,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         **kwargs: Any,
     ) -> torch.Tensor:
         """DFlash's pass over the context in path order; returns [num_reqs, budget] drafts: each request's
-        tree nodes in index order, root excluded (the rest of a row is never scheduled). An off step
-        still runs the pass (it stores the step's context K/V for later drafts) and proposes nothing."""
+        tree nodes in index order, root excluded (the rest of a row is never scheduled). A step whose
+        shape is off stores the step's context K/V (what later drafts read) and skips the block pass
+        (`_generate_draft`); it proposes nothing."""
         num_reqs = input_batch.num_reqs
         if kwargs.get("dummy_run", False):  # profiling and warm-up: DFlash's own pass at depth
             super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -98,8 +100,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         shape = self.last_shape
         self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
         self._top = None
-        super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
-                        num_sampled, num_rejected, last_sampled, *args, **kwargs)
+        self._context_only = shape.is_off
+        try:
+            super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+                            num_sampled, num_rejected, last_sampled, *args, **kwargs)
+        finally:
+            self._context_only = False
         self.last_trees, self.draft_lists = None, [[] for _ in range(num_reqs)]
         if shape.is_off:
             return self.tree_draft_tokens[:num_reqs]
@@ -113,6 +119,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_trees = trees
         self.draft_lists = [row[:size] for row, size in zip(nodes.tolist(), (trees.num_nodes - 1).tolist())]
         return self.tree_draft_tokens[:num_reqs]
+
+    @override
+    def _generate_draft(self, num_reqs: int, *args: Any, **kwargs: Any) -> None:
+        """DFlash's block pass, skipped in a context-only step: `propose` stores the context K/V before
+        it (eagerly on CPU; a FULL draft graph would replay the pass, which the CUDA layer must handle)."""
+        if not self._context_only:
+            super()._generate_draft(num_reqs, *args, **kwargs)
 
     @override
     def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
