@@ -29,6 +29,7 @@ INTERPRETED_MODULES = [
     "gpu/test_triton_engine_interpreted.py",
     "v2/test_v2_greedy.py",
     "v2/test_v2_traps.py",
+    "v2/test_v2_preemption.py",
 ]
 
 

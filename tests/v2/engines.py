@@ -38,8 +38,9 @@ def ddtree(budget: int = BUDGET, **keys: Any) -> dict[str, Any]:
     return {"method": "ddtree", "model": demo_pair_paths()[1], "num_speculative_tokens": budget, "ddtree_adaptive": False, **keys}
 
 
-def run(runner: str, spec: dict[str, Any] | None, max_tokens: int = MAX_TOKENS, **llm_kwargs: Any) -> Any:
-    """e2e's `Run` of one engine on `runner` ("v1" or "v2"), greedy, over the held-out prompts."""
+def run(runner: str, spec: dict[str, Any] | None, max_tokens: int = MAX_TOKENS, lengths: tuple[int, ...] = PROMPT_LENGTHS,
+        **llm_kwargs: Any) -> Any:
+    """e2e's `Run` of one engine on `runner` ("v1" or "v2"), greedy, over held-out prompts of `lengths`."""
     from vllm import SamplingParams
 
     from tests.e2e.conftest import heldout_code_prompts, run_engine
@@ -48,7 +49,7 @@ def run(runner: str, spec: dict[str, Any] | None, max_tokens: int = MAX_TOKENS, 
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": CHUNK, **llm_kwargs}
-    return run_engine(demo_pair_paths()[0], spec, heldout_code_prompts(PROMPT_LENGTHS), params, **kwargs)
+    return run_engine(demo_pair_paths()[0], spec, heldout_code_prompts(lengths), params, **kwargs)
 
 
 def tokens_per_verify_step(metrics: dict[str, Any]) -> float:
