@@ -23,12 +23,15 @@ BUDGET = 16
 
 def interpreted_module() -> None:
     """Skip the calling module outside a TRITON_INTERPRET=1 process; else register the Triton stand-in
-    (before vLLM is imported)."""
+    (before vLLM is imported; once per process: V2 modules may share one)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs in its own TRITON_INTERPRET=1 process (tests/test_interpreter_process.py)", allow_module_level=True)
+    import triton.backends
+
     from tests.gpu.triton_cpu_backend import register_cpu_backend_stand_in
 
-    register_cpu_backend_stand_in()
+    if "cpu" not in triton.backends.backends:
+        register_cpu_backend_stand_in()
 
 
 def ddtree(budget: int = BUDGET, **keys: Any) -> dict[str, Any]:
@@ -39,15 +42,17 @@ def ddtree(budget: int = BUDGET, **keys: Any) -> dict[str, Any]:
 
 
 def run(runner: str, spec: dict[str, Any] | None, max_tokens: int = MAX_TOKENS, lengths: tuple[int, ...] = PROMPT_LENGTHS,
-        **llm_kwargs: Any) -> Any:
-    """e2e's `Run` of one engine on `runner` ("v1" or "v2"), greedy, over held-out prompts of `lengths`."""
+        params: Any = None, **llm_kwargs: Any) -> Any:
+    """e2e's `Run` of one engine on `runner` ("v1" or "v2") over held-out prompts of `lengths`, greedy
+    unless `params` (one SamplingParams, or one per prompt) says otherwise."""
     from vllm import SamplingParams
 
     from tests.e2e.conftest import heldout_code_prompts, run_engine
     from vllm_ddtree.demo import demo_pair_paths
 
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if params is None:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     kwargs = {"max_num_seqs": 8, "max_num_batched_tokens": CHUNK, **llm_kwargs}
     return run_engine(demo_pair_paths()[0], spec, heldout_code_prompts(lengths), params, **kwargs)
 

@@ -72,8 +72,6 @@ def test_a_release_without_the_v2_layer_keeps_its_own_path(monkeypatch):
 @pytest.mark.parametrize(
     ("options", "parameter"),
     [
-        ({"temperature": 0.8}, "temperature"),
-        ({"temperature": 0.8, "seed": 3}, "temperature"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"min_tokens": 4}, "min_tokens"),
         ({"bad_words": ["x"]}, "bad_words"),
@@ -93,7 +91,11 @@ def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(o
     assert error.value.parameter == parameter
 
 
-def test_greedy_requests_with_stops_pass_on_v2():
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05}],
+)
+def test_greedy_and_sampled_requests_pass_on_v2(options):
     from vllm import SamplingParams
 
-    check_request(SamplingParams(temperature=0.0, max_tokens=4, stop_token_ids=[5], ignore_eos=True), v2=True)
+    check_request(SamplingParams(max_tokens=4, **options), v2=True)

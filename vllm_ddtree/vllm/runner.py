@@ -71,7 +71,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.steps import kv_slot_moves, path_first
+from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 
 logger = logging.getLogger("vllm.ddtree")
@@ -368,7 +368,7 @@ class DDTreeRunnerMixin:
                 processed, output = None, self._accept_greedy(logits, step)
             else:
                 processed = self._sample_nodes(logits, step)
-                output = self._walk(step)
+                output = walk(step)
             logprobs = emitted_logprobs(self.sampler, self.input_batch.sampling_metadata, logits, processed, step, output)
         if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
             with self.stage_times.stage(KV_COMPACTION):
@@ -396,7 +396,7 @@ class DDTreeRunnerMixin:
         return processed
 
     def _accept_greedy(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor:
-        """`_sample_nodes` then `_walk` for a greedy batch without history-dependent options: the argmax
+        """`_sample_nodes` then `steps.walk` for a greedy batch without history-dependent options: the argmax
         of every logits row (TP rank 0's on every rank), then one compiled call reads the nodes' tokens
         off their rows, walks the trees and pads vLLM's output rows (`accept_greedy_rows_on_host`)."""
         row_tokens = get_tp_group().broadcast(argmax_first(logits), src=0).cpu()
@@ -414,17 +414,6 @@ class DDTreeRunnerMixin:
             trees, top_logprobs, top_token_ids, budget, self.input_batch.req_ids, step.acceptance.output_token_ids,
             self.discard_request_mask.np[:num_reqs], self.requests,
         )
-
-    def _walk(self, step: TreeStep) -> torch.Tensor:
-        """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
-        assert step.target_token_ids is not None
-        step.acceptance = host_tree.accept_tree_on_host(step.tree, step.target_token_ids)  # both on the host
-        accepted_rows = step.acceptance.output_token_ids
-        if accepted_rows.shape[1] == step.tree.nodes_per_request:  # roots alone, chains: no padding column
-            return accepted_rows.to(torch.int32)
-        output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
-        output[:, : accepted_rows.shape[1]] = accepted_rows
-        return output
 
     def _clock_sampled(self, step: TreeStep | None, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""

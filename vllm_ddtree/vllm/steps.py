@@ -1,6 +1,7 @@
 """Step logic both runner layers share: what a walked `TreeStep` asks of the K/V cache and of the
 draft's context, independent of where a runner keeps its inputs.
 
+- `walk`: the acceptance walk over the step's sampled nodes, and vLLM's output rows;
 - `kv_slot_moves`: the accepted nodes' K/V moves as (source, destination) KV slots, read on the host;
 - `path_first`: the draft's context rows of every verify window in path order.
 """
@@ -10,7 +11,21 @@ from __future__ import annotations
 import torch
 
 from vllm_ddtree.core import compact_rows_
+from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.tree_step import TreeStep
+
+
+def walk(step: TreeStep) -> torch.Tensor:
+    """Fill `step.acceptance` from `step.target_token_ids`; returns vLLM's output rows [R, N] int32
+    (accepted drafts + bonus, -1 padded). Both on the host."""
+    assert step.target_token_ids is not None
+    step.acceptance = host_tree.accept_tree_on_host(step.tree, step.target_token_ids)
+    accepted_rows = step.acceptance.output_token_ids
+    if accepted_rows.shape[1] == step.tree.nodes_per_request:  # roots alone, chains: no padding column
+        return accepted_rows.to(torch.int32)
+    output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
+    output[:, : accepted_rows.shape[1]] = accepted_rows
+    return output
 
 
 def kv_slot_moves(step: TreeStep) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -9,14 +9,16 @@
   same buffer); the nodes' KV slots are a gather of vLLM's slot mapping;
 - attend (`model_state.prepare_attn`, wrapped on the instance): the tree rows onto the target's
   attention metadata (the platform's);
-- verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax), the walk,
-  K/V compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
+- verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
+  the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
+  compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
   accepted path first, D7);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
-Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`.
+Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
+except for a batch with a seeded request, which the core rule draws at every step (`v2/options.py`).
 Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
 synchronous (checked at start). What this layer does not carry yet is refused at start or admission
 (`support.REFUSALS`, "on the V2 model runner").
@@ -37,14 +39,16 @@ from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-from vllm_ddtree.core import BudgetPolicy, StepClock
+from vllm_ddtree.core import BudgetPolicy, SamplingRegimes, StepClock
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
-from vllm_ddtree.vllm.steps import kv_slot_moves, path_first
+from vllm_ddtree.vllm.sampling import sample_nodes
+from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
+from vllm_ddtree.vllm.v2.options import all_greedy, tree_sampling_params, vllm_sampler_serves
 from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
 logger = logging.getLogger("vllm.ddtree")
@@ -80,6 +84,7 @@ class DDTreeV2RunnerMixin:
         self.speculator.chain_view = self._chain_view
         self.step: TreeStep | None = None
         self._step_batch: Any = None  # the InputBatch `step` was built for
+        self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self._context_tokens = 0.0
@@ -169,7 +174,11 @@ class DDTreeV2RunnerMixin:
         input_batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, num_active_loras)
         self.step = self._build_step(input_batch)
         self._step_batch = input_batch
+        states = self.sampler.sampling_states
+        self._core_rule_draws = not vllm_sampler_serves(states, input_batch.idx_mapping_np)
         num_reqs = input_batch.num_reqs
+        if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
+            policy.use(all_greedy(states, input_batch.idx_mapping_np))
         if self.clock is not None:  # the policy times shapes apart by context length (attention grows with it)
             self._context_tokens = float(input_batch.num_computed_tokens_np.sum()) / max(1, num_reqs)
         self.speculator.choose_shape(num_reqs, self._context_tokens)
@@ -217,18 +226,26 @@ class DDTreeV2RunnerMixin:
     @override
     @override
     def sample(self, hidden_states: torch.Tensor, input_batch: Any, grammar_output: Any) -> Any:
-        """Greedy tree verification (every node's token: its row's first argmax), the walk and K/V
-        compaction, for a step with drafts; vLLM's own sampling for one without."""
+        """Every node's token by the core's rule (`vllm_ddtree.core.sampling`; greedy: each row's first
+        argmax), the walk and K/V compaction, for a step with drafts or one vLLM's sampler must not draw
+        (`options.vllm_sampler_serves`); vLLM's own sampling for the others."""
         step = self.step
-        if step is None or not step.has_drafts or input_batch is not self._step_batch:
+        if step is None or input_batch is not self._step_batch or not (step.has_drafts or self._core_rule_draws):
             result = super().sample(hidden_states, input_batch, grammar_output)
             if self.clock is not None and step is not None:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
         assert grammar_output is None  # structured outputs are refused at admission on V2
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
-        row_tokens = argmax_first(logits).cpu()
-        step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
+        states = self.sampler.sampling_states
+        params = tree_sampling_params(states, input_batch.idx_mapping_np, self.vocab_size, logits.device)
+        if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
+            row_tokens = argmax_first(logits).cpu()
+            step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
+        else:
+            positions = step.draw_positions().to(logits.device) if params.seeds else None  # only seeded draws are keyed
+            step.target_token_ids = sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params).cpu()
+            output = walk(step)
         if step.has_branching and (moves := kv_slot_moves(step)) is not None:
             self._move_kv_rows(*moves)
         device = logits.device
@@ -247,6 +264,9 @@ class DDTreeV2RunnerMixin:
     def _clock_sampled(self, step: TreeStep, committed: int) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
         assert self.clock is not None and step.acceptance is not None
+        if not step.has_drafts:  # roots alone: no draft to accept
+            self.clock.step_sampled(committed, {self._step_shape: 0})
+            return
         accepted = host_tree.accepted_by_shape_on_host(
             self.clock.policy.shapes, self._step_shape, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
         )
