@@ -7,7 +7,6 @@ tree masks; K/V rows move through the ISA-specific layout of CPU_ATTN's paged ca
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -17,12 +16,10 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
-from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention, warn_unless_float32
 from vllm_ddtree.vllm.paged_kv import LayerRows
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
-
-logger = logging.getLogger("vllm.ddtree")
 
 
 class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
@@ -31,12 +28,7 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         cpu_tree_kernel.warm_up()  # compiled now, not in the first steps the budget policy times
         paged_kv.warm_up()
-        if self.model_config.dtype != torch.float32:
-            logger.warning(
-                "method 'ddtree' with a %s target on CPU: the tree rows' attention is computed in float32 and rounded "
-                "once, vLLM's kernel rounds plain rows its own way, so greedy tokens can differ from plain decoding "
-                "where two logits tie within %s rounding (chains and steps without speculation are vLLM's kernel); "
-                "use dtype float32 for token-identical greedy output", self.model_config.dtype, self.model_config.dtype)
+        warn_unless_float32(self.model_config.dtype)
 
     @override
     def _step_slot_mapping(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
-from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention, warn_unless_float32
 from vllm_ddtree.vllm.paged_kv import LayerRows
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.v2.runner import DDTreeV2RunnerMixin
@@ -27,6 +27,7 @@ class DDTreeV2CPUModelRunner(DDTreeV2RunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         cpu_tree_kernel.warm_up()
         paged_kv.warm_up()
+        warn_unless_float32(self.model_config.dtype)
 
     @override
     def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> None:
