@@ -26,6 +26,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.drafting import draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 
 
@@ -129,15 +130,8 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     @override
     def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor) and
-        return each position's rank-0 token. For the chain (K = 1), each depth's first maximal token, and
-        for its log-prob 0 where the maximum is finite, else -inf: a chain is cut at the first depth
-        whose log-prob is -inf and its log-probs say nothing else (as the V1 proposer's)."""
-        logits = self.compute_draft_logits(hidden_states, 0).float()
-        if self._candidates == 1:
-            best = logits.max(dim=-1, keepdim=True)
-            values, indices = torch.where(best.values.isfinite(), 0.0, float("-inf")), best.indices
-        else:
-            values, indices = logits.log_softmax(dim=-1).topk(min(self._candidates, logits.shape[-1]), dim=-1)
+        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor,
+        `drafting.draft_top_k`) and return each position's rank-0 token (DFlash's chain)."""
+        values, indices = draft_top_k(self.compute_draft_logits(hidden_states, 0), self._candidates)
         self._top = (values, indices)
         return indices[:, 0]
