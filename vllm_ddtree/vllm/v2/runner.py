@@ -224,7 +224,6 @@ class DDTreeV2RunnerMixin:
         return block_tables, slot_mappings
 
     @override
-    @override
     def sample(self, hidden_states: torch.Tensor, input_batch: Any, grammar_output: Any) -> Any:
         """Every node's token by the core's rule (`vllm_ddtree.core.sampling`; greedy: each row's first
         argmax), the walk and K/V compaction, for a step with drafts or one vLLM's sampler must not draw
