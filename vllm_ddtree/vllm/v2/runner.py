@@ -64,6 +64,14 @@ def shift_positions_(positions: torch.Tensor, rows: np.ndarray, deltas: np.ndarr
     positions.index_add_(0, torch.from_numpy(rows).to(device, non_blocking=True), torch.from_numpy(deltas).to(device, positions.dtype, non_blocking=True))
 
 
+def tree_deltas(step: TreeStep) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, depth(i) - i) of the branching trees' nodes: the verify rows' RoPE shift (a step built at
+    relative positions: the layout's positions are depths and node indices)."""
+    rows, depths = step.tree_positions()
+    _, indices = step.linear_positions()
+    return rows, depths - indices
+
+
 class DDTreeV2RunnerMixin:
     """DDTree hooks over vLLM's V2 `GPUModelRunner` (or its CPU subclass).
 
@@ -206,19 +214,13 @@ class DDTreeV2RunnerMixin:
                            "exact, fewer tokens per step)", step.num_chain_fallbacks)
         return step
 
-    def _tree_deltas(self, step: TreeStep) -> tuple[np.ndarray, np.ndarray]:
-        """(rows, depth(i) - i) of the branching trees' nodes: the verify rows' RoPE shift."""
-        rows, depths = step.tree_positions()
-        _, indices = step.linear_positions()
-        return rows, depths - indices
-
     @override
     def prepare_attn(self, input_batch: Any) -> Any:
         block_tables, slot_mappings = super().prepare_attn(input_batch)
         step = self.step
         if step is not None and input_batch is self._step_batch and step.has_drafts:
             if step.has_branching:  # chains keep vLLM's linear positions
-                shift_positions_(self.input_buffers.positions, *self._tree_deltas(step))
+                shift_positions_(self.input_buffers.positions, *tree_deltas(step))
             slot_mapping = slot_mappings[self._attention_gid]
             step.node_slots = slot_mapping[step.node_rows().to(slot_mapping.device, non_blocking=True)].cpu()
         return block_tables, slot_mappings
@@ -278,7 +280,7 @@ class DDTreeV2RunnerMixin:
         if step is None or not step.has_drafts or step.acceptance is None:
             return aux_hidden_states
         if step.has_branching:
-            rows, deltas = self._tree_deltas(step)
+            rows, deltas = tree_deltas(step)
             shift_positions_(self.input_buffers.positions, rows, -deltas)
         return path_first(step, aux_hidden_states)
 
