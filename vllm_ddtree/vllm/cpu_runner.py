@@ -7,10 +7,8 @@ tree masks; K/V rows move through the ISA-specific layout of CPU_ATTN's paged ca
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-import numpy as np
 import torch
 from typing_extensions import override
 from vllm.model_executor.layers.attention import Attention
@@ -18,12 +16,10 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
-from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention
-from vllm_ddtree.vllm.paged_kv import RegionLayout, cache_bits, move_rows, probe_layout
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention, warn_unless_float32
+from vllm_ddtree.vllm.paged_kv import LayerRows
 from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
-
-logger = logging.getLogger("vllm.ddtree")
 
 
 class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
@@ -32,12 +28,7 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         cpu_tree_kernel.warm_up()  # compiled now, not in the first steps the budget policy times
         paged_kv.warm_up()
-        if self.model_config.dtype != torch.float32:
-            logger.warning(
-                "method 'ddtree' with a %s target on CPU: the tree rows' attention is computed in float32 and rounded "
-                "once, vLLM's kernel rounds plain rows its own way, so greedy tokens can differ from plain decoding "
-                "where two logits tie within %s rounding (chains and steps without speculation are vLLM's kernel); "
-                "use dtype float32 for token-identical greedy output", self.model_config.dtype, self.model_config.dtype)
+        warn_unless_float32(self.model_config.dtype)
 
     @override
     def _step_slot_mapping(self) -> torch.Tensor:
@@ -63,20 +54,15 @@ class DDTreeCPUModelRunner(DDTreeRunnerMixin, CPUModelRunner):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self._kv_row_caches = None
 
-    _kv_row_caches: list[tuple[np.ndarray, RegionLayout, int]] | None = None
-    """Every target attention layer's cache as `cache_bits`, its layout and KV heads (built at the first
-    move after the caches are bound)."""
+    _kv_row_caches: LayerRows | None = None
+    """Every target attention layer's cache (`paged_kv.LayerRows`, built at the first move after the
+    caches are bound)."""
 
     @override
     def _move_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         if self._kv_row_caches is None:
-            self._kv_row_caches = [
-                (cache_bits(layer.kv_cache), probe_layout(layer.isa, layer.kv_cache.shape[2], layer.head_size, layer.kv_cache.dtype), layer.num_kv_heads)
-                for layer in self._target_attention_layers()
-            ]
-        src, dst = src_slots.numpy().astype(np.int64, copy=False), dst_slots.numpy().astype(np.int64, copy=False)
-        for bits, layout, num_kv_heads in self._kv_row_caches:
-            move_rows(bits, layout, num_kv_heads, src, dst)
+            self._kv_row_caches = LayerRows(self._target_attention_layers())
+        self._kv_row_caches.move(src_slots, dst_slots)
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:

@@ -12,7 +12,9 @@ permutation of the region.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,3 +190,20 @@ def warm_up() -> None:
     offsets, slots = np.zeros((2, 1, 1), dtype=np.int64), np.zeros(1, dtype=np.int64)
     for dtype in (torch.bfloat16, torch.float32):
         _move_rows(cache_bits(torch.zeros(2, dtype=dtype)), offsets, 1, slots, slots)
+
+
+class LayerRows:
+    """Moves token rows in CPU_ATTN attention layers' paged caches: each layer's `cache_bits`, probed
+    layout and KV heads, read once (build it after the caches are bound; a rebound cache needs a new one)."""
+
+    def __init__(self, layers: Iterable[Any]) -> None:
+        self._caches = [
+            (cache_bits(layer.kv_cache), probe_layout(layer.isa, layer.kv_cache.shape[2], layer.head_size, layer.kv_cache.dtype), layer.num_kv_heads)
+            for layer in layers
+        ]
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy the K/V at host `src_slots` to `dst_slots` [M] in every layer."""
+        src, dst = src_slots.numpy().astype(np.int64, copy=False), dst_slots.numpy().astype(np.int64, copy=False)
+        for bits, layout, num_kv_heads in self._caches:
+            move_rows(bits, layout, num_kv_heads, src, dst)

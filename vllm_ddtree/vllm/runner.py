@@ -47,7 +47,6 @@ from vllm_ddtree.core import (
     SamplingRegimes,
     StepClock,
     TreeShape,
-    compact_rows_,
     kv_compaction_plan,
 )
 from vllm_ddtree.core.sampling import argmax_first
@@ -68,6 +67,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
+from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v1.options import read_v1_options
 
@@ -371,7 +371,7 @@ class DDTreeRunnerMixin:
                 processed, output = None, self._accept_greedy(logits, step)
             else:
                 processed = self._sample_nodes(logits, step)
-                output = self._walk(step)
+                output = walk(step)
             logprobs = emitted_logprobs(self.sampler, self.options, logits, processed, step, output)
         if step.has_drafts:  # roots alone: every token's KV already sits where it was computed
             with self.stage_times.stage(KV_COMPACTION):
@@ -398,7 +398,7 @@ class DDTreeRunnerMixin:
         return processed
 
     def _accept_greedy(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor:
-        """`_sample_nodes` then `_walk` for a greedy batch without history-dependent options: the argmax
+        """`_sample_nodes` then `steps.walk` for a greedy batch without history-dependent options: the argmax
         of every logits row (TP rank 0's on every rank), then one compiled call reads the nodes' tokens
         off their rows, walks the trees and pads vLLM's output rows (`accept_greedy_rows_on_host`)."""
         row_tokens = get_tp_group().broadcast(argmax_first(logits), src=0).cpu()
@@ -416,17 +416,6 @@ class DDTreeRunnerMixin:
             trees, top_logprobs, top_token_ids, budget, self.input_batch.req_ids, step.acceptance.output_token_ids,
             self.discard_request_mask.np[:num_reqs], self.requests,
         )
-
-    def _walk(self, step: TreeStep) -> torch.Tensor:
-        """Fill `step.acceptance`; returns vLLM's output rows [R, N] (accepted drafts + bonus, -1 padded)."""
-        assert step.target_token_ids is not None
-        step.acceptance = host_tree.accept_tree_on_host(step.tree, step.target_token_ids)  # both on the host
-        accepted_rows = step.acceptance.output_token_ids
-        if accepted_rows.shape[1] == step.tree.nodes_per_request:  # roots alone, chains: no padding column
-            return accepted_rows.to(torch.int32)
-        output = torch.full((step.tree.num_requests, step.tree.nodes_per_request), -1, dtype=torch.int32)
-        output[:, : accepted_rows.shape[1]] = accepted_rows
-        return output
 
     def _clock_sampled(self, step: TreeStep | None, output: torch.Tensor) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
@@ -455,10 +444,8 @@ class DDTreeRunnerMixin:
             return
         slots = step.node_slots
         if self._moves_kv_on_host:  # the real moves only (a path through first children has none)
-            requests, src, dst = step.kv_moves()
-            if requests.size:
-                host_slots = slots.numpy()
-                self._move_kv_rows(torch.from_numpy(host_slots[requests, src]), torch.from_numpy(host_slots[requests, dst]))
+            if (moves := kv_slot_moves(step)) is not None:
+                self._move_kv_rows(*moves)
             return
         # Every plan entry, identity ones included (no real move writes their rows, `kv_plan`): fixed
         # shapes and nothing read back to the host, so on a GPU the copies just queue (graph-capturable).
@@ -554,20 +541,7 @@ class DDTreeRunnerMixin:
         return drafts
 
     def _path_first(self, step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rewrite each verify window as root + accepted nodes (path order) then the rest, at linear
-        positions: row root_row + k holds the k-th path node. The drafter then sees the layout of an
-        accepted chain prefix followed by rejected padding, which vLLM's DFlash code already handles."""
+        """The drafter's context in path order at linear positions (`steps.path_first`)."""
         if step.has_branching:  # chains already sit at linear positions
             self._set_positions(*step.linear_positions())
-        requests, src, dst = step.kv_moves()
-        if not requests.size:  # every accepted path already sits in path order
-            return aux_hidden_states
-        device = aux_hidden_states[0].device
-        root_rows = step.root_rows.numpy()[requests]
-        src, dst = torch.from_numpy(root_rows + src).to(device), torch.from_numpy(root_rows + dst).to(device)
-        reordered = []
-        for states in aux_hidden_states:
-            states = states.clone()
-            compact_rows_(states, src, dst)
-            reordered.append(states)
-        return reordered
+        return path_first(step, aux_hidden_states)

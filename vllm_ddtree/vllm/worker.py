@@ -1,5 +1,6 @@
 """The CPU worker of method 'ddtree' (selected through vLLM's `worker_cls`): vLLM's CPUWorker running
-`DDTreeCPUModelRunner`."""
+`DDTreeCPUModelRunner`, or `DDTreeV2CPUModelRunner` where vLLM chose its V2 model runner (the user's
+`VLLM_USE_V2_MODEL_RUNNER=1`, admitted by `config.check_engine_config`)."""
 
 from __future__ import annotations
 
@@ -15,4 +16,10 @@ class DDTreeCPUWorker(CPUWorker):
         # CPUWorker.init_device builds its model runner inline (no factory hook in vLLM 0.32). The stock
         # runner it builds holds no model or KV cache yet; replace it before anything is loaded.
         super().init_device()
+        if self.use_v2_model_runner:
+            # imported here: the V2 layer imports vLLM's V2 runner modules, which a V1 engine never needs
+            from vllm_ddtree.vllm.v2.cpu_runner import DDTreeV2CPUModelRunner
+
+            self.model_runner = DDTreeV2CPUModelRunner(self.vllm_config, self.device)
+            return
         self.model_runner = DDTreeCPUModelRunner(self.vllm_config, self.device)

@@ -1,0 +1,101 @@
+"""The V2 runner path without an engine: its surface table (`SURFACES["v2"]`) holds on the installed
+vLLM and declares every override of the V2 layer; the path is chosen only where the user asks for V2
+on a release with the layer; requests the layer does not carry are refused at admission."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import vllm_ddtree.vllm.v2
+from tests.compat.test_vllm_surface import _is_ours, _is_vllm, derived_overrides
+from vllm_ddtree.vllm import patching
+from vllm_ddtree.vllm.surface import SURFACES, check_vllm_surface, installed_surface, release_surface
+from vllm_ddtree.vllm.support import UnsupportedRequestError, check_request
+
+
+def v2_classes() -> list[type]:
+    """Every class of a vllm_ddtree.vllm.v2 module with a vLLM class among its bases."""
+    found = []
+    for info in pkgutil.iter_modules(vllm_ddtree.vllm.v2.__path__, "vllm_ddtree.vllm.v2."):
+        module = importlib.import_module(info.name)
+        found += [cls for cls in vars(module).values()
+                  if isinstance(cls, type) and cls.__module__ == module.__name__ and any(map(_is_vllm, cls.__mro__))]
+    return found
+
+
+def test_the_v2_table_holds_on_the_installed_vllm():
+    check_vllm_surface(release_surface("v2", "0.32.0"))
+
+
+def test_every_override_of_the_v2_layer_is_declared_with_its_signature():
+    overrides = derived_overrides(v2_classes())
+    assert len(overrides) >= 10
+    declared = {(m.owner_class(), m.name): m.params for m in SURFACES["v2"] if m.kind == "override"}
+    missing = [f"{owner.__qualname__}.{name}{params}" for (owner, name), params in overrides.items() if declared.get((owner, name), 0) != params]
+    assert not missing, f"declare in SURFACES['v2'] (or fix the params of): {missing}"
+
+
+def test_every_override_of_the_v2_layer_is_marked_override():
+    unmarked = []
+    for cls in v2_classes():
+        theirs = [klass for klass in cls.__mro__ if _is_vllm(klass)]
+        for klass in filter(_is_ours, cls.__mro__):
+            for name, value in vars(klass).items():
+                function = getattr(value, "__func__", value)
+                if callable(function) and not name.startswith("__") and any(name in vars(t) for t in theirs):
+                    if not getattr(function, "__override__", False):
+                        unmarked.append(f"{klass.__qualname__}.{name}")
+    assert not unmarked, f"add @override to: {sorted(set(unmarked))}"
+
+
+@pytest.mark.parametrize(("value", "path"), [(None, "v1"), ("0", "v1"), ("1", "v2"), ("true", "v2")])
+def test_the_v2_path_runs_only_when_the_user_asks_for_it(monkeypatch, value, path):
+    if value is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    assert patching.active_runner_path() == path
+    assert set(installed_surface(cpu=True)) == set(release_surface(path, "0.32.0"))
+
+
+def test_a_release_without_the_v2_layer_keeps_its_own_path(monkeypatch):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    monkeypatch.setattr(patching, "V2_RUNNER_RELEASES", ())
+    assert patching.active_runner_path() == "v1"
+
+
+@pytest.mark.parametrize(
+    ("options", "parameter"),
+    [
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"min_tokens": 4}, "min_tokens"),
+        ({"bad_words": ["x"]}, "bad_words"),
+        ({"logit_bias": {3: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(options, parameter):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=4, **{"temperature": 0.0, **options})
+    check_request(params)  # the V1 layer serves it
+    with pytest.raises(UnsupportedRequestError, match="on the V2 model runner yet; unset VLLM_USE_V2_MODEL_RUNNER") as error:
+        check_request(params, v2=True)
+    assert error.value.parameter == parameter
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05}],
+)
+def test_greedy_and_sampled_requests_pass_on_v2(options):
+    from vllm import SamplingParams
+
+    check_request(SamplingParams(max_tokens=4, **options), v2=True)
