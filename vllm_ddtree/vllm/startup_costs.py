@@ -3,9 +3,10 @@
 
 What is timed, with dummy inputs, per batch size b (one per batch bucket of the policy, `BATCHES`, up
 to max_num_seqs):
-- the target: its forward over b x rows tokens (vLLM's `_dummy_run`, attention metadata built, the
-  drafter not run) and its LM head over the rows a step samples (b for off, every row otherwise), for
-  the rows each candidate shape verifies: 1 (off), 1 + depth (the chain), 1 + n (a tree of n nodes);
+- the target: its forward over b requests of `rows` tokens each (vLLM's `_dummy_run` in its uniform
+  layout, attention metadata built, the drafter not run; `_target_step`) and its LM head over the rows
+  a step samples (b for off, every row otherwise), for the rows each candidate shape verifies: 1 (off),
+  1 + depth (the chain), 1 + n (a tree of n nodes);
 - the draft, once per b: every speculative shape drafts the same depth (`DDTreeProposer.propose`), so
   one pass (DFlash's `dummy_run` over b x (1 + depth) rows: the context store and the block pass) and
   its LM head and top-k over b x depth rows serve them all;
@@ -18,8 +19,10 @@ Invariants:
 - A time is the least of REPEATS runs: first-call costs (allocations, lazy kernels) and another
   process on the machine only add time.
 - A shape whose tokens at b exceed max_num_batched_tokens is not timed at b (the scheduler never runs
-  it there), nor is a larger batch size once it would end the timing past TIME_LIMIT_S (the next size
-  has about twice the rows, so about twice the time of the last); batch 1 is always timed.
+  it there), nor one whose rows exceed max_model_len (a dummy request's sequence must fit in its
+  block-table row, `_target_step`), nor is a larger batch size once it would end the timing past
+  TIME_LIMIT_S (the next size has about twice the rows, so about twice the time of the last); batch 1
+  is always timed.
 - Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
   its own policy, of which TP rank 0's decides every step (`proposer._same_on_every_rank`); rank 0
   alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.distributed import get_tp_group
 
 from vllm_ddtree.core import AdaptiveBudget, SamplingRegimes, TreeShape
@@ -106,6 +110,7 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
     depth = min(drafter.ddtree.budget, drafter.max_depth)
     max_tokens = runner.max_num_tokens
     max_seqs = runner.scheduler_config.max_num_seqs
+    max_model_len = runner.max_model_len
     sync = runner._sync_device
     speculative = [shape for shape in shapes if not shape.is_off]
     candidates = max((drafter.candidates_for(shape) for shape in speculative), default=1)
@@ -116,7 +121,7 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
         batch_start = time.perf_counter()
         target = {}
         for rows in sorted({_rows(shape, depth) for shape in shapes}):
-            if batch * rows <= max_tokens:
+            if batch * rows <= max_tokens and rows <= max_model_len:
                 target[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
         draft = None
         if speculative and batch * (1 + depth) <= max_tokens:
@@ -137,15 +142,26 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
 
 
 def _target_step(runner: Any, batch: int, rows: int) -> None:
-    """The target's forward over batch x rows dummy tokens and its LM head over the rows a step with
-    `rows` rows per request samples (all of them with drafts; one per request without). vLLM's
-    `_dummy_run` lays the tokens out as min(tokens, max_num_seqs) requests; the linear layers, which a
-    step's cost at short contexts is mostly, see the same rows either way."""
+    """The target's forward over `batch` dummy requests of `rows` tokens each, as a verify step lays
+    them out, each request's sequence its own rows (a short context), and its LM head over the rows a
+    step with `rows` rows per request samples (all of them with drafts; one per request without).
+
+    The layout is `_dummy_run`'s uniform one, its query length set to `rows` for this forward: its other
+    layout makes min(tokens, max_num_seqs) requests, each with a sequence as long as all the tokens,
+    which past max_model_len reads block ids beyond the request's block-table row (past the table's end
+    for the last request), and the CPU attention kernel then loads keys from wild addresses (SIGSEGV).
+    Here every request is a row of the block table (batch <= max_num_seqs) and its sequence fits in
+    that row (rows <= max_model_len); slots are -1, so nothing is written to the KV cache. Eager
+    (`CUDAGraphMode.NONE`): a graph captured for another query length must not replay this layout; the
+    launch overhead that adds on a GPU is about the same for every shape, and the policy's per-kind
+    offsets (`AdaptiveBudget._prior_offsets`) carry such a shared overhead."""
     runner._plain_step = True  # no speculative config: `_dummy_run` runs the target alone
+    query_len, runner.uniform_decode_query_len = runner.uniform_decode_query_len, rows
     try:
-        hidden_states, _ = runner._dummy_run(batch * rows, force_attention=True)
+        hidden_states, _ = runner._dummy_run(batch * rows, cudagraph_runtime_mode=CUDAGraphMode.NONE, force_attention=True,
+                                             uniform_decode=True)
     finally:
-        runner._plain_step = False
+        runner._plain_step, runner.uniform_decode_query_len = False, query_len
     sampled = batch * rows if rows > 1 else batch
     runner.model.compute_logits(hidden_states[:sampled])
 
