@@ -32,7 +32,14 @@ import statistics
 import time
 from typing import Any
 
-from vllm_ddtree.demo.engines import ENGINE_KWARGS, Engine, configure_environment, rotated, shutdown_all, start_engines
+from vllm_ddtree.demo.engines import (
+    ENGINE_KWARGS,
+    Engine,
+    configure_environment,
+    rotated,
+    shutdown_all,
+    start_engines,
+)
 
 
 def new_policy(worker: Any, seeded: bool) -> int:
@@ -164,16 +171,16 @@ def main() -> int:
                 if temperature == 0:
                     mismatches += sum(outputs[label] != outputs["plain"] for label in outputs)
                 best = max(rate[label] for label in alternatives)
-                for label in rate:
-                    ratios[label].append(rate[label] / best)
-                    speeds[label].append(rate[label])
+                for label, value in rate.items():
+                    ratios[label].append(value / best)
+                    speeds[label].append(value)
                 print(f"  batch {batch} T={temperature} round {round_index}: " + ", ".join(f"{label} {rate[label]:.0f}" for label in rate) + " tok/s")
             paired = [s / o for s, o in zip(speeds["startup"], speeds["online"])]
             print(f"batch {batch}, T={temperature}: tokens/s over the best of {', '.join(alternatives)} per round, "
                   f"median [min-max] of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f}"
                   + (f"; {mismatches} greedy outputs differ from plain decoding" if mismatches else ""))
-            for label in ratios:
-                print(f"  {label:8s} {show(ratios[label])}  ({statistics.median(speeds[label]):.0f} tok/s)")
+            for label, values in ratios.items():
+                print(f"  {label:8s} {show(values)}  ({statistics.median(speeds[label]):.0f} tok/s)")
             print(f"  startup / online: {show(paired)}")
             report["cells"].append({"batch": batch, "temperature": temperature, "load_average_end": os.getloadavg(),
                                     "over_best_alternative": {label: spread(v) for label, v in ratios.items()},
