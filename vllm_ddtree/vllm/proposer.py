@@ -67,6 +67,11 @@ class DDTreeProposer(DFlashProposer):
             self.last_shape = _same_on_every_rank(self.budget_policy.choose(num_requests, context_tokens))
         return self.last_shape
 
+    def candidates_for(self, shape: TreeShape) -> int:
+        """Draft candidates kept per depth for trees of `shape` (the top-k `_sample_draft_tokens` takes): no
+        more than the tree's nodes, its shape's topk, or the configured topk."""
+        return max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
+
     @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:
         """Run the draft and return each request's tree nodes in index order, root excluded.
@@ -78,7 +83,7 @@ class DDTreeProposer(DFlashProposer):
         """
         depth = min(num_speculative_tokens, self.max_depth)
         shape = self.last_shape
-        self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
+        self._candidates = self.candidates_for(shape)
         self._top = None
         self.last_trees = None
         if shape.is_off:

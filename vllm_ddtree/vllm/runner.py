@@ -67,6 +67,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
+from vllm_ddtree.vllm.startup_costs import seed_budget_policy
 from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v1.options import read_v1_options
@@ -139,6 +140,20 @@ class DDTreeRunnerMixin:
     @speculative_config.setter
     def speculative_config(self, value: Any) -> None:
         self._speculative_config = value
+
+    startup_costs: dict[tuple[int, TreeShape], float] | None = None
+    """Step costs timed when the engine started, seconds[(batch size, shape)] (`time_startup_costs`);
+    None when not timed (no adaptive policy)."""
+    startup_seconds = 0.0
+    """How long that timing took."""
+
+    def time_startup_costs(self) -> None:
+        """Time the step costs of the budget policy's shapes and start the policy from them
+        (`startup_costs.seed_budget_policy`). The worker calls it once the KV cache is allocated and vLLM's
+        warm-up is done; without an adaptive policy it does nothing."""
+        timed = seed_budget_policy(self)
+        if timed is not None:
+            self.startup_costs, self.startup_seconds = timed
 
     def use_budget_policy(self, policy: BudgetPolicy) -> None:
         """Let `policy` choose every step's tree shape from now on, fed with this runner's steps."""
