@@ -1,6 +1,6 @@
 """A fresh engine's first job: the default config (adaptive) against no speculation, vLLM's DFlash chain,
 DDTree's chain and fixed trees, with and without the step costs timed at start-up
-(`vllm_ddtree/vllm/startup_costs.py`); and the start-up time that timing adds.
+(`vllm_ddtree/vllm/v1/startup_costs.py`); and the start-up time that timing adds.
 
 The job: `--prompts` held-out code prompts x `--max-tokens` tokens, greedy or sampled (seeded), served in
 one `LLM.generate` call at batch 12 (`--batch` = the number of prompts), or one call per prompt at batch 1.

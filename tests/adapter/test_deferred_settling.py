@@ -19,9 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree.vllm import proposer as proposer_module
+from vllm_ddtree.vllm.v1 import proposer as proposer_module
 from vllm_ddtree.vllm.deferred_context import DeferredContext, rows_in_blocks
-from vllm_ddtree.vllm.proposer import DDTreeProposer
+from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
 
 
 @dataclass

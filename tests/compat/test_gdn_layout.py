@@ -34,7 +34,7 @@ def fake_layer(gen: torch.Generator) -> SimpleNamespace:
 def chain_metadata(slots: torch.Tensor, num_accepted: torch.Tensor):
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-    from vllm_ddtree.vllm.gdn import GDNTREES_ATTR, GDNTrees
+    from vllm_ddtree.vllm.v1.gdn import GDNTREES_ATTR, GDNTrees
 
     tokens = NUM_REQS * WINDOW
     metadata = GDNAttentionMetadata(
@@ -53,7 +53,7 @@ def chain_metadata(slots: torch.Tensor, num_accepted: torch.Tensor):
 def test_tree_verify_of_chains_matches_vllms_spec_forward_over_two_steps():
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
-    from vllm_ddtree.vllm.gdn import tree_spec_forward
+    from vllm_ddtree.vllm.v1.gdn import tree_spec_forward
 
     vllm_spec_forward = getattr(gdn_attention._spec_forward, "__wrapped__", gdn_attention._spec_forward)
     gen = torch.Generator().manual_seed(0)

@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 import vllm_ddtree
 import vllm_ddtree.vllm
+import vllm_ddtree.vllm.v1
 from vllm_ddtree.vllm.surface import (
     SURFACE,
     IncompatibleVLLM,
@@ -43,10 +44,13 @@ def _is_ours(cls: type) -> bool:
 
 
 def our_vllm_subclasses() -> list[type]:
-    """Every class defined in a vllm_ddtree.vllm module with a vLLM class among its bases (imports them all)."""
+    """Every class defined in a shared or V1-layer module (vllm_ddtree.vllm, vllm_ddtree.vllm.v1) with a vLLM
+    class among its bases (imports them all). The V2 layer's classes answer to SURFACES["v2"] (tests/v2)."""
     found = []
-    for info in pkgutil.iter_modules(vllm_ddtree.vllm.__path__, "vllm_ddtree.vllm."):
-        module = importlib.import_module(info.name)
+    names = [info.name for info in pkgutil.iter_modules(vllm_ddtree.vllm.__path__, "vllm_ddtree.vllm.")]
+    names += [info.name for info in pkgutil.iter_modules(vllm_ddtree.vllm.v1.__path__, "vllm_ddtree.vllm.v1.")]
+    for name in names:
+        module = importlib.import_module(name)
         found += [
             cls
             for cls in vars(module).values()
@@ -117,7 +121,7 @@ def test_every_override_of_ours_is_marked_override():
 def test_an_override_in_a_new_mixin_is_reported_missing():
     """The completeness check above can fail: a method of a vllm_ddtree mixin that shadows a vLLM member
     (here SpecDecodeBaseProposer._greedy_sample) is an override that SURFACE does not declare."""
-    from vllm_ddtree.vllm.proposer import DDTreeProposer
+    from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
 
     class GreedyMixin:
         __module__ = "vllm_ddtree.vllm.split"

@@ -577,7 +577,7 @@ def test_a_stopped_or_jumping_clock_changes_no_output(engine, plain, alone, monk
     """The adaptive policy, first timing the steps with the real clock, then with a stopped, backwards
     and jumping one (zero, negative and huge step times), takes no engine down (a stopped clock gives
     a held shape's steps zero seconds, a machine speed of 0 to divide by) and changes no output."""
-    from vllm_ddtree.vllm import runner as runner_module
+    from vllm_ddtree.vllm.v1 import runner as runner_module
 
     model_runner(engine).use_budget_policy(AdaptiveBudget(candidate_shapes(BUDGET, DEPTH), explore=0.2))
     _assert_engine_serves_on(engine, plain)  # the real clock: the policy times its shapes

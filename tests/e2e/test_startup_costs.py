@@ -13,7 +13,7 @@ import torch
 from tests.e2e.conftest import KV_CACHE_BYTES, heldout_code_prompts, model_runner
 from vllm_ddtree.core import OFF, AdaptiveBudget, SamplingRegimes, TreeShape
 from vllm_ddtree.core.budget import batch_bucket
-from vllm_ddtree.vllm import startup_costs
+from vllm_ddtree.vllm.v1 import startup_costs
 
 BUDGET = 16
 MAX_NUM_SEQS = 12

@@ -18,7 +18,7 @@ import torch
 from tests.e2e.conftest import CHUNK, KV_CACHE_BYTES, MAX_MODEL_LEN, heldout_code_prompts, model_runner, record_verified_steps
 from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, TreeShape, candidate_shapes
-from vllm_ddtree.vllm import proposer
+from vllm_ddtree.vllm.v1 import proposer
 
 BUDGET = 16
 TREE = TreeShape(BUDGET)

@@ -12,9 +12,9 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from vllm_ddtree.vllm.gpu_runner import DDTreeGPUModelRunner
+from vllm_ddtree.vllm.v1.gpu_runner import DDTreeGPUModelRunner
 from vllm_ddtree.vllm.kv_rows import move_slots
-from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
+from vllm_ddtree.vllm.v1.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers, is_uniform
 from vllm_ddtree.vllm.triton_attention import (

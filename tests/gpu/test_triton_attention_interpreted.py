@@ -35,7 +35,7 @@ from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl  # noqa: 
 
 from vllm_ddtree.kernels.tree_attention_reference import tree_attention_reference  # noqa: E402
 from vllm_ddtree.vllm.tree_step import TreeRows  # noqa: E402
-from vllm_ddtree.vllm.gpu_runner import DDTreeGPUModelRunner  # noqa: E402
+from vllm_ddtree.vllm.v1.gpu_runner import DDTreeGPUModelRunner  # noqa: E402
 from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers  # noqa: E402
 from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeTritonAttentionMetadata  # noqa: E402
 

@@ -5,8 +5,8 @@ hooks. Only for a process with TRITON_INTERPRET=1 and the Triton "cpu" stand-in 
 
 from __future__ import annotations
 
-from vllm_ddtree.vllm.cpu_runner import DDTreeCPUModelRunner
-from vllm_ddtree.vllm.gpu_runner import DDTreeGPUModelRunner
+from vllm_ddtree.vllm.v1.cpu_runner import DDTreeCPUModelRunner
+from vllm_ddtree.vllm.v1.gpu_runner import DDTreeGPUModelRunner
 from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionBackend
 
 BACKEND = "tests.gpu.triton_on_cpu.DDTreeTritonAttentionBackend"

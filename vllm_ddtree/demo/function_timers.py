@@ -39,7 +39,7 @@ def _owners(worker: Any) -> dict[str, Callable[[], Any]]:
         "policy": lambda: importlib.import_module("vllm_ddtree.core.budget").AdaptiveBudget,
         "tree_step": lambda: importlib.import_module("vllm_ddtree.vllm.tree_step").TreeStep,
         "host_tree": lambda: importlib.import_module("vllm_ddtree.vllm.host_tree"),
-        "runner_module": lambda: importlib.import_module("vllm_ddtree.vllm.runner"),
+        "runner_module": lambda: importlib.import_module("vllm_ddtree.vllm.v1.runner"),
         "scheduler": lambda: importlib.import_module("vllm.v1.core.sched.scheduler").Scheduler,
         "engine_core": lambda: importlib.import_module("vllm.v1.engine.core").EngineCore,
     }

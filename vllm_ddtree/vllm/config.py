@@ -451,7 +451,7 @@ def _check_hybrid_target(vllm_config: Any, name: str, serve_elsewhere: str) -> N
         )
     logger.info(
         "vllm_ddtree: hybrid target %s: prefix caching off (with it vLLM's mamba_cache_mode 'align' runs a Triton "
-        "kernel vLLM 0.32 has no CPU version of); Gated DeltaNet layers verify trees (vllm_ddtree.vllm.gdn)", name
+        "kernel vLLM 0.32 has no CPU version of); Gated DeltaNet layers verify trees (vllm_ddtree.vllm.v1.gdn)", name
     )
     if _text_only_mrope(vllm_config.model_config):
         logger.info(

@@ -9,7 +9,7 @@ from typing import Any
 from typing_extensions import override
 from vllm.v1.worker.gpu_worker import Worker
 
-from vllm_ddtree.vllm.gpu_runner import DDTreeGPUModelRunner
+from vllm_ddtree.vllm.v1.gpu_runner import DDTreeGPUModelRunner
 
 
 class DDTreeGPUWorker(Worker):

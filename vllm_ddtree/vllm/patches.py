@@ -107,7 +107,7 @@ def _validate_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _gdn_spec_forward(original: Callable[..., Any]) -> Callable[..., Any]:
-    from vllm_ddtree.vllm.gdn import GDNTREES_ATTR, tree_spec_forward
+    from vllm_ddtree.vllm.v1.gdn import GDNTREES_ATTR, tree_spec_forward
 
     @functools.wraps(original)
     def spec_forward(layer: Any, attn_metadata_i: Any, mixed_qkv_spec: Any, b_spec: Any, a_spec: Any,

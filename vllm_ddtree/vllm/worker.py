@@ -10,7 +10,7 @@ from typing import Any
 from typing_extensions import override
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_ddtree.vllm.cpu_runner import DDTreeCPUModelRunner
+from vllm_ddtree.vllm.v1.cpu_runner import DDTreeCPUModelRunner
 
 
 class DDTreeCPUWorker(CPUWorker):

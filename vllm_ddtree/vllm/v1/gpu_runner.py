@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from vllm_ddtree.vllm.kv_rows import move_slots
-from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
+from vllm_ddtree.vllm.v1.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.tree_verify import is_uniform
 from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeTritonAttentionMetadata

@@ -18,7 +18,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
 from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention, warn_unless_float32
 from vllm_ddtree.vllm.paged_kv import LayerRows
-from vllm_ddtree.vllm.runner import DDTreeRunnerMixin
+from vllm_ddtree.vllm.v1.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 
 

@@ -51,13 +51,13 @@ from vllm_ddtree.core import (
 )
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
+from vllm_ddtree.vllm.v1.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
-from vllm_ddtree.vllm.proposer import DDTreeProposer
+from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
 from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
@@ -67,7 +67,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.startup_costs import seed_budget_policy
+from vllm_ddtree.vllm.v1.startup_costs import seed_budget_policy
 from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v1.options import read_v1_options
