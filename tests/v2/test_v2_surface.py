@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import vllm_ddtree.vllm.v2
-from tests.compat.test_vllm_surface import _is_ours, _is_vllm, derived_overrides
+from tests.compat.test_vllm_surface import _is_vllm, derived_overrides, unmarked_overrides
 from vllm_ddtree.vllm import patching
 from vllm_ddtree.vllm.surface import SURFACES, check_vllm_surface, installed_surface, release_surface
 from vllm_ddtree.vllm.support import UnsupportedRequestError, check_request
@@ -41,16 +41,8 @@ def test_every_override_of_the_v2_layer_is_declared_with_its_signature():
 
 
 def test_every_override_of_the_v2_layer_is_marked_override():
-    unmarked = []
-    for cls in v2_classes():
-        theirs = [klass for klass in cls.__mro__ if _is_vllm(klass)]
-        for klass in filter(_is_ours, cls.__mro__):
-            for name, value in vars(klass).items():
-                function = getattr(value, "__func__", value)
-                if callable(function) and not name.startswith("__") and any(name in vars(t) for t in theirs):
-                    if not getattr(function, "__override__", False):
-                        unmarked.append(f"{klass.__qualname__}.{name}")
-    assert not unmarked, f"add @override to: {sorted(set(unmarked))}"
+    unmarked = unmarked_overrides(v2_classes())
+    assert not unmarked, f"add @override to: {unmarked}"
 
 
 @pytest.mark.parametrize(("value", "path"), [(None, "v1"), ("0", "v1"), ("1", "v2"), ("true", "v2")])
