@@ -357,6 +357,31 @@ def test_a_dip_in_the_text_does_not_keep_the_policy_off_for_hundreds_of_steps():
     assert all(n is not None and n <= MEMORY for n in steps), steps
 
 
+def test_a_rival_read_off_the_held_tree_is_not_re_probed_in_every_dip_of_the_text():
+    """Batch 1, the realistic-cost pair's proportions (a tree of 8 dearer than the chain by 7%, accepting
+    30% more draft tokens on every step): the text alternates easy stretches and dips of 50 steps, and
+    the tree of 8 is the fastest shape on every step of both. The chain and the tree of 4 are read off
+    the tree's steps, so their estimates fall with the tree's in a dip: they are not doubted
+    (`_doubted`), and run on at most 2% of the steps (exploration and the tree of 16's probes, whose
+    steps report them too). Doubted like a rival the held shape does not measure, each dip lifted them
+    to their longer means and re-probed them: 8-70% of the steps on these seeds."""
+    shapes = candidate_shapes(32, 7)
+    chain = TreeShape(7, 1)
+    seconds = {OFF: 0.074, TreeShape(4): 0.090, chain: 0.093, TreeShape(8): 0.100, TreeShape(16): 0.114, TreeShape(32): 0.140}
+    gain = {OFF: 0.0, TreeShape(4): 0.95, chain: 1.0, TreeShape(8): 1.3, TreeShape(16): 1.35, TreeShape(32): 1.4}
+    for seed in range(6):
+        policy, text = AdaptiveBudget(shapes, seed=seed), random.Random(100 + seed)
+        chosen = []
+        for step in range(2000):
+            shape = policy.choose(1)
+            chosen.append(shape)
+            drafted = (2.0 if (step // 50) % 2 == 0 else 0.6) * text.uniform(0.3, 1.7)  # the chain's accepted drafts
+            tokens = {s: 1 + gain[s] * drafted for s in shapes}
+            policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported_shapes(shapes, shape)})
+        read_off = sum(s in (chain, TreeShape(4)) for s in chosen[200:])
+        assert read_off <= 0.02 * len(chosen[200:]), (seed, read_off)
+
+
 def test_at_large_batches_speculation_must_win_by_more_than_its_per_step_rate():
     """At 4 or more requests a speculative shape's rate is discounted by `batched_discount` (35%) against
     off (an offline batch's tail: `AdaptiveBudget._rates`): the chain 30% faster per step than off is

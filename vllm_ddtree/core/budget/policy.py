@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm_ddtree.core.budget.estimators import DecayedMean, RecentMedian, SampleSpread
+from vllm_ddtree.core.budget.read_off import read_off_shapes
 from vllm_ddtree.core.budget.shapes import BATCH_BUCKETS, OFF, TreeShape, batch_bucket, batch_of, step_bucket
 
 SPEED_WINDOW = 3
@@ -493,15 +494,23 @@ class AdaptiveBudget:
         most (None if none does): CONFIDENCE standard errors (`SampleSpread`, its prior weighing
         PRIOR_STEPS steps; BATCHED_CONFIDENCE and BATCHED_PRIOR_STEPS beyond batch 1) above the
         larger of its token estimate and the longer-memory mean of its samples (an estimate taken in a
-        dip of the text is doubted sooner). Off is never doubted: its tokens are exact."""
+        dip of the text is doubted sooner). Off is never doubted: its tokens are exact. Nor is a rival whose
+        tokens the held best's steps measure (read off them, `read_off_shapes`, and measured on the last step the
+        best ran or since): its estimate and the best's rest on the same text, step for step, so a dip lowers both
+        and the comparison of their rates already holds; lifted to its longer mean or by its error, such a
+        rival (the chain beside a held tree) would be re-probed in every dip of the text, each probe
+        running the shape the paired comparison has just found slower."""
         # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
         # no count in a range of width D varies more than (D / 2)^2
         prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
         confidence, prior_steps = (CONFIDENCE, PRIOR_STEPS) if batch_of(bucket) == 0 else (BATCHED_CONFIDENCE, BATCHED_PRIOR_STEPS)
         doubts = {}
+        held = self.shapes[best]
+        nested, chain = read_off_shapes(self.shapes, held, held.budget)
+        paired, held_at = {*nested, chain}, self.tokens[held].last_step
         for i in rivals:
             shape = self.shapes[i]
-            if not shape.is_off:
+            if not shape.is_off and not (shape in paired and self.tokens[shape].last_step >= held_at):
                 spread, tokens = self.spread[shape], self.expected_tokens(bucket, shape)
                 # however old its samples, an estimate of a count confined to a range of width D is not
                 # uncertain by more than D / 2: a rival far behind is doubted never, not every few hundred
