@@ -19,7 +19,7 @@ from vllm_ddtree.core.budget import (
     candidate_shapes,
     nested_shapes,
 )
-from vllm_ddtree.core.budget.policy import RETIME_AFTER_STEPS, SAMPLES_DECAY
+from vllm_ddtree.core.budget.policy import RETIME_AFTER_STEPS, SAMPLES_DECAY, STARTUP_RETIME_STEPS
 
 MEMORY = round(1 / (1 - SAMPLES_DECAY))
 """Engine steps a rival's samples are remembered for (the time constant of SAMPLES_DECAY): the scale
@@ -357,6 +357,31 @@ def test_a_dip_in_the_text_does_not_keep_the_policy_off_for_hundreds_of_steps():
     assert all(n is not None and n <= MEMORY for n in steps), steps
 
 
+def test_a_rival_read_off_the_held_tree_is_not_re_probed_in_every_dip_of_the_text():
+    """Batch 1, the realistic-cost pair's proportions (a tree of 8 dearer than the chain by 7%, accepting
+    30% more draft tokens on every step): the text alternates easy stretches and dips of 50 steps, and
+    the tree of 8 is the fastest shape on every step of both. The chain and the tree of 4 are read off
+    the tree's steps, so their estimates fall with the tree's in a dip: they are not doubted
+    (`_doubted`), and run on at most 2% of the steps (exploration and the tree of 16's probes, whose
+    steps report them too). Doubted like a rival the held shape does not measure, each dip lifted them
+    to their longer means and re-probed them: 8-70% of the steps on these seeds."""
+    shapes = candidate_shapes(32, 7)
+    chain = TreeShape(7, 1)
+    seconds = {OFF: 0.074, TreeShape(4): 0.090, chain: 0.093, TreeShape(8): 0.100, TreeShape(16): 0.114, TreeShape(32): 0.140}
+    gain = {OFF: 0.0, TreeShape(4): 0.95, chain: 1.0, TreeShape(8): 1.3, TreeShape(16): 1.35, TreeShape(32): 1.4}
+    for seed in range(6):
+        policy, text = AdaptiveBudget(shapes, seed=seed), random.Random(100 + seed)
+        chosen = []
+        for step in range(2000):
+            shape = policy.choose(1)
+            chosen.append(shape)
+            drafted = (2.0 if (step // 50) % 2 == 0 else 0.6) * text.uniform(0.3, 1.7)  # the chain's accepted drafts
+            tokens = {s: 1 + gain[s] * drafted for s in shapes}
+            policy.observe(1, shape, seconds[shape], {s: tokens[s] for s in reported_shapes(shapes, shape)})
+        read_off = sum(s in (chain, TreeShape(4)) for s in chosen[200:])
+        assert read_off <= 0.02 * len(chosen[200:]), (seed, read_off)
+
+
 def test_at_large_batches_speculation_must_win_by_more_than_its_per_step_rate():
     """At 4 or more requests a speculative shape's rate is discounted by `batched_discount` (35%) against
     off (an offline batch's tail: `AdaptiveBudget._rates`): the chain 30% faster per step than off is
@@ -380,10 +405,11 @@ def test_at_large_batches_speculation_must_win_by_more_than_its_per_step_rate():
 
 def test_a_bucket_visited_now_and_then_does_not_re_time_its_rivals_on_every_visit():
     """An offline batch of 16 (64 steps) between stretches of 700 batch-1 steps, off clearly the best at
-    16: timings age by the bucket's own steps, so after its first visits the batch of 16 runs off on
-    every step: its rivals' timings are re-taken once RETIME_AFTER_STEPS of its own steps old (every 8
-    visits), not once that many engine steps old (on nearly every visit, as far as the re-probe credit
-    allows)."""
+    16: timings age by the bucket's own steps, so after its first visit the batch of 16 runs off on
+    every step but for one re-timing of each rival its climb timed before the bucket's speed was known
+    (`_unframed`: the chain and the tree of 4, a probe of 2 steps each): its rivals' timings are
+    re-taken once STARTUP_RETIME_STEPS (those) or RETIME_AFTER_STEPS of its own steps old, not once that
+    many engine steps old (on nearly every visit, as far as the re-probe credit allows)."""
     assert 6 * 64 < RETIME_AFTER_STEPS
     shapes = candidate_shapes(32, 7)
     policy = AdaptiveBudget(shapes, explore=0.0)
@@ -399,7 +425,8 @@ def test_a_bucket_visited_now_and_then_does_not_re_time_its_rivals_on_every_visi
                 policy.observe(n, shape, seconds[n][shape], {s: n * tokens[s] for s in reported_shapes(shapes, shape)})
             if n == 16:
                 speculative_steps.append(count)
-    assert speculative_steps[2:] == [0, 0, 0, 0], speculative_steps
+    assert sum(speculative_steps[1:]) <= 2 * policy.probe_hold, speculative_steps
+    assert sum(count > 0 for count in speculative_steps[1:]) <= 2, speculative_steps
 
 
 def steps_until_speculation_is_held_after_a_hard_first_request(policy: AdaptiveBudget, announce: bool, first: int = 100) -> int | None:
@@ -526,6 +553,31 @@ def test_a_timing_taken_while_the_machine_was_slow_is_taken_again():
     held_from = steps_until_off_is_held(AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0))
     assert held_from is not None and RETIME_AFTER_STEPS <= held_from < 2 * RETIME_AFTER_STEPS, held_from
     assert steps_until_off_is_held(AdaptiveBudget(shapes, hold=4, probe_hold=2, explore=0.0, reprobe=0.0)) is None
+
+
+def test_a_climb_timed_before_the_machines_speed_was_known_is_timed_again_soon():
+    """Batch 1, the realistic-cost pair's proportions: the tree of 8 is the fastest shape, but the machine
+    runs at half speed for the climb's first steps, which time the start shape (the tree of 8) before
+    any held shape has measured the machine's speed. That timing is raw seconds of another speed, which
+    paired timing cannot correct (`_unframed`), so it is re-timed once older than STARTUP_RETIME_STEPS
+    times the square of how far it is behind (re-timed after RETIME_AFTER_STEPS instead, the chain held
+    for some 1800 steps): the tree of 8 is held within 4 x STARTUP_RETIME_STEPS steps, and on nearly
+    every step after. Without exploration, so that only the re-timing rule brings it back."""
+    shapes = candidate_shapes(32, 7)
+    chain = TreeShape(7, 1)
+    seconds = {OFF: 0.074, TreeShape(4): 0.090, chain: 0.093, TreeShape(8): 0.100, TreeShape(16): 0.114, TreeShape(32): 0.140}
+    tokens = {OFF: 1.0, TreeShape(4): 2.7, chain: 2.75, TreeShape(8): 3.2, TreeShape(16): 3.35, TreeShape(32): 3.45}
+    policy = AdaptiveBudget(shapes, explore=0.0)
+    chosen, held_at = [], None
+    for step in range(1000):
+        shape = policy.choose(1)
+        chosen.append(shape)
+        slow = 2.0 if step < 4 else 1.0
+        policy.observe(1, shape, seconds[shape] * slow, {s: tokens[s] for s in reported_shapes(shapes, shape)})
+        if held_at is None and step >= 4 and policy.best_shape(1) == TreeShape(8):
+            held_at = step
+    assert held_at is not None and held_at <= 4 * STARTUP_RETIME_STEPS, held_at
+    assert chosen[-500:].count(TreeShape(8)) > 450
 
 
 def test_timings_taken_minutes_apart_compare_as_if_taken_together():

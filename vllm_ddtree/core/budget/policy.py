@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from vllm_ddtree.core.budget.estimators import DecayedMean, RecentMedian, SampleSpread
+from vllm_ddtree.core.budget.read_off import read_off_shapes
 from vllm_ddtree.core.budget.shapes import BATCH_BUCKETS, OFF, TreeShape, batch_bucket, batch_of, step_bucket
 
 SPEED_WINDOW = 3
@@ -75,10 +76,14 @@ batch between many batch-1 steps) would otherwise re-time its rivals on most vis
 speculation costs several off steps and the switches."""
 
 STARTUP_RETIME_STEPS = 32
-"""A rival known by its start-up cost alone (`seed_costs`) is timed once older than this many of its
-bucket's steps, times the square of how far it is behind (`_retime_after`), instead of
-RETIME_AFTER_STEPS: a start-up cost times forwards, and the per-step overhead carried over from other
-shapes (`_prior_cost`) cannot see work a shape alone does, so it is less sure than a timing of its own."""
+"""A rival known by its start-up cost alone (`seed_costs`), or timed before its bucket's machine speed
+was first measured (`_unframed`), is timed once older than this many of its bucket's steps, times the
+square of how far it is behind (`_retime_after`), instead of RETIME_AFTER_STEPS: a start-up cost times
+forwards, and the per-step overhead carried over from other shapes (`_prior_cost`) cannot see work a
+shape alone does; a timing taken before the speed was measured is raw seconds at whatever speed the
+machine ran then (a bucket's first shapes are timed a probe of one or two steps each, minutes before
+any speed is known), which paired timing cannot correct. Either is less sure than a timing of its own
+in the frame of the bucket's speed."""
 
 CONFIDENCE = 0.75
 """Standard errors above its token estimate at which a rival is doubted at batch 1 (`_doubted`): a step
@@ -158,6 +163,9 @@ class AdaptiveBudget:
     _past_first_step: set[tuple[int, TreeShape]] = field(default_factory=set)
     """(bucket, shape) pairs observed at least once: their later steps are timed (the first is not)."""
     _retimed: set[tuple[int, TreeShape]] = field(default_factory=set)
+    _unframed: set[tuple[int, TreeShape]] = field(default_factory=set)
+    """(bucket, shape) pairs whose kept seconds were timed before the bucket's speed was first measured
+    (`_time`): raw seconds, not costs in the frame of the bucket's speed."""
     _current: TreeShape | None = None
     _bucket: int = -1
     _held: int = 0
@@ -278,11 +286,19 @@ class AdaptiveBudget:
             costs.values.clear()
         best = self._best.get(bucket)
         step = self._bucket_steps.get(bucket, 0)
+        key = (bucket, used)
         if len(costs.values) == costs.window and costs.median > 0 and (best is None or self.shapes[best] == used):
             speed.add(seconds / costs.median, self._observed_steps)
             costs.count(step)
+            self._unframed.discard(key)  # the cost the speed is measured against: the frame itself
+        elif not speed.values:
+            costs.add(seconds, step)
+            self._unframed.add(key)
         else:
-            costs.add(seconds / (speed.median if speed.values else 1.0), step)
+            if key in self._unframed:  # raw seconds of another speed: a new window, in the frame
+                self._unframed.discard(key)
+                costs.values.clear()
+            costs.add(seconds / speed.median, step)
 
     def seconds(self, bucket: int, shape: TreeShape) -> float | None:
         """A step of `shape` in `bucket` at the machine's speed now (None until timed, unless the start-up
@@ -443,7 +459,7 @@ class AdaptiveBudget:
         overdue_retime = rival is None
         if rival is None:
             now = self._bucket_steps.get(bucket, 0)
-            overdue = {i: (now - self._timed_at(bucket, i)) / self._retime_after(rates, best, i, self._untimed(bucket, i)) for i in timed}
+            overdue = {i: (now - self._timed_at(bucket, i)) / self._retime_after(rates, best, i, self._provisional(bucket, i)) for i in timed}
             rival = max(overdue, key=overdue.get, default=None)
             if rival is None or overdue[rival] <= 1:
                 return None
@@ -466,6 +482,11 @@ class AdaptiveBudget:
         costs = self.costs.get((bucket, self.shapes[shape]))
         return costs is None or not costs.values
 
+    def _provisional(self, bucket: int, shape: int) -> bool:
+        """`shape`'s seconds in `bucket` are its start-up cost's (`_untimed`) or were timed before the
+        bucket's speed was measured (`_unframed`): re-timed after STARTUP_RETIME_STEPS (`_retime_after`)."""
+        return self._untimed(bucket, shape) or (bucket, self.shapes[shape]) in self._unframed
+
     def _charge(self, bucket: int, rival: int, seconds: float) -> None:
         """Charge `seconds`, the cost of a probe of `rival` picked now, to the bucket's re-probe credit as
         its steps run (`ProbeCharge`); the credit may go negative (a new request's re-measurement and
@@ -473,17 +494,18 @@ class AdaptiveBudget:
         steps = max(1, self.probe_hold)
         self._probe = ProbeCharge(bucket, self.shapes[rival], seconds / steps, steps, steps + 1)
 
-    def _retime_after(self, rates: dict[int, float], best: int, rival: int, startup: bool = False) -> float:
+    def _retime_after(self, rates: dict[int, float], best: int, rival: int, provisional: bool = False) -> float:
         """Bucket steps after which `rival`'s timing is re-taken: RETIME_AFTER_STEPS, times the square of
         how many times the held best's rate exceeds the rival's (at least 1). Timings are paired (`_time`),
         so the machine's drift moves all shapes' seconds alike and what ages is only their ratio, which
         drifts little: the further a rival is behind, the less likely drift alone lifts it over the best
         (a stale token estimate is `_doubted`'s to re-measure), and a probe of a shape far behind is the
         costliest. Off is re-timed at RETIME_AFTER_STEPS: its step is the cheapest there is and its
-        tokens are exact, so only a slow timing can make it look behind. A rival known by its start-up
-        cost alone (`startup`): STARTUP_RETIME_STEPS instead of RETIME_AFTER_STEPS."""
-        steps = STARTUP_RETIME_STEPS if startup else RETIME_AFTER_STEPS
-        if self.shapes[rival].is_off and not startup:
+        tokens are exact, so only a slow timing can make it look behind. A rival whose seconds are
+        provisional (`_provisional`: a start-up cost, or raw seconds timed before the bucket's speed was
+        measured): STARTUP_RETIME_STEPS instead of RETIME_AFTER_STEPS."""
+        steps = STARTUP_RETIME_STEPS if provisional else RETIME_AFTER_STEPS
+        if self.shapes[rival].is_off and not provisional:
             return steps
         behind = max(1.0, _ratio(rates[best], rates[rival]))
         return steps * behind * behind  # (a product: inf where a power would raise on overflow)
@@ -493,15 +515,23 @@ class AdaptiveBudget:
         most (None if none does): CONFIDENCE standard errors (`SampleSpread`, its prior weighing
         PRIOR_STEPS steps; BATCHED_CONFIDENCE and BATCHED_PRIOR_STEPS beyond batch 1) above the
         larger of its token estimate and the longer-memory mean of its samples (an estimate taken in a
-        dip of the text is doubted sooner). Off is never doubted: its tokens are exact."""
+        dip of the text is doubted sooner). Off is never doubted: its tokens are exact. Nor is a rival whose
+        tokens the held best's steps measure (read off them, `read_off_shapes`, and measured on the last step the
+        best ran or since): its estimate and the best's rest on the same text, step for step, so a dip lowers both
+        and the comparison of their rates already holds; lifted to its longer mean or by its error, such a
+        rival (the chain beside a held tree) would be re-probed in every dip of the text, each probe
+        running the shape the paired comparison has just found slower."""
         # prior: a step's tokens per request range over 1 + [0, most draft tokens a step accepts], and
         # no count in a range of width D varies more than (D / 2)^2
         prior_variance = (max((s.budget for s in self.shapes if s.is_chain), default=self.shapes[-1].budget) / 2) ** 2
         confidence, prior_steps = (CONFIDENCE, PRIOR_STEPS) if batch_of(bucket) == 0 else (BATCHED_CONFIDENCE, BATCHED_PRIOR_STEPS)
         doubts = {}
+        held = self.shapes[best]
+        nested, chain = read_off_shapes(self.shapes, held, held.budget)
+        paired, held_at = {*nested, chain}, self.tokens[held].last_step
         for i in rivals:
             shape = self.shapes[i]
-            if not shape.is_off:
+            if not shape.is_off and not (shape in paired and self.tokens[shape].last_step >= held_at):
                 spread, tokens = self.spread[shape], self.expected_tokens(bucket, shape)
                 # however old its samples, an estimate of a count confined to a range of width D is not
                 # uncertain by more than D / 2: a rival far behind is doubted never, not every few hundred
