@@ -3,14 +3,15 @@ draft's context, independent of where a runner keeps its inputs.
 
 - `walk`: the acceptance walk over the step's sampled nodes, and vLLM's output rows;
 - `kv_slot_moves`: the accepted nodes' K/V moves as (source, destination) KV slots, read on the host;
-- `path_first`: the draft's context rows of every verify window in path order.
+- `path_first`: the draft's context rows of every verify window in path order;
+- `accepted_by_shape`: what each shape nested in the step's would have accepted (the budget clock's read-off).
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_ddtree.core import compact_rows_
+from vllm_ddtree.core import TreeShape, compact_rows_
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.tree_step import TreeStep
 
@@ -57,3 +58,14 @@ def path_first(step: TreeStep, aux_hidden_states: list[torch.Tensor]) -> list[to
         compact_rows_(states, src, dst)
         reordered.append(states)
     return reordered
+
+
+def accepted_by_shape(shapes: list[TreeShape], used: TreeShape, step: TreeStep) -> dict[TreeShape, int]:
+    """Drafts each of `shapes` nested in `used` (the shape this step's trees were drafted for) would have
+    accepted on this step's walked trees; {used: 0} for roots alone (no draft to accept)."""
+    if not step.has_drafts:
+        return {used: 0}
+    assert step.acceptance is not None and step.target_token_ids is not None
+    return host_tree.accepted_by_shape_on_host(
+        shapes, used, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
+    )

@@ -39,7 +39,10 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+)
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.core import (
@@ -50,15 +53,17 @@ from vllm_ddtree.core import (
     kv_compaction_plan,
 )
 from vllm_ddtree.core.sampling import argmax_first
-from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.v1.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm import host_tree
+from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
-from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
-from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
+from vllm_ddtree.vllm.sampling import (
+    gather_node_logits,
+    plain_sampler_serves,
+    sample_nodes,
+)
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -67,10 +72,16 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.v1.startup_costs import seed_budget_policy
-from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
+from vllm_ddtree.vllm.v1.gdn import (
+    attach_gdn_trees,
+    compact_gdn_states,
+    kv_cache_group_kinds,
+)
 from vllm_ddtree.vllm.v1.options import read_v1_options
+from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
+from vllm_ddtree.vllm.v1.startup_costs import seed_budget_policy
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -441,12 +452,8 @@ class DDTreeRunnerMixin:
         if step is None or not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
-        assert step.acceptance is not None
         committed = int(np.count_nonzero(output.numpy() >= 0)) - discarded
-        accepted = host_tree.accepted_by_shape_on_host(
-            self.clock.policy.shapes, used, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
-        )
-        self.clock.step_sampled(committed, accepted)
+        self.clock.step_sampled(committed, accepted_by_shape(self.clock.policy.shapes, used, step))
 
     def _compact_target_kv(self, step: TreeStep) -> None:
         """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are

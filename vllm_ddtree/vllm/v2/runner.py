@@ -43,12 +43,13 @@ from vllm_ddtree.core import BudgetPolicy, SamplingRegimes, StepClock
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
 from vllm_ddtree.vllm.sampling import sample_nodes
-from vllm_ddtree.vllm.steps import kv_slot_moves, path_first, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
-from vllm_ddtree.vllm.v2.options import all_greedy, tree_sampling_params, vllm_sampler_serves
+from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
 from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
 logger = logging.getLogger("vllm.ddtree")
@@ -93,6 +94,7 @@ class DDTreeV2RunnerMixin:
         self.step: TreeStep | None = None
         self._step_batch: Any = None  # the InputBatch `step` was built for
         self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
+        self.options: RequestOptions | None = None  # this step's request options (`prepare_inputs`)
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self._context_tokens = 0.0
@@ -182,11 +184,11 @@ class DDTreeV2RunnerMixin:
         input_batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, num_active_loras)
         self.step = self._build_step(input_batch)
         self._step_batch = input_batch
-        states = self.sampler.sampling_states
-        self._core_rule_draws = not vllm_sampler_serves(states, input_batch.idx_mapping_np)
+        self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, self.vocab_size, self.device)
+        self._core_rule_draws = not vllm_sampler_serves(self.options)
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
-            policy.use(all_greedy(states, input_batch.idx_mapping_np))
+            policy.use(self.options.all_greedy)
         if self.clock is not None:  # the policy times shapes apart by context length (attention grows with it)
             self._context_tokens = float(input_batch.num_computed_tokens_np.sum()) / max(1, num_reqs)
         self.speculator.choose_shape(num_reqs, self._context_tokens)
@@ -229,17 +231,16 @@ class DDTreeV2RunnerMixin:
     def sample(self, hidden_states: torch.Tensor, input_batch: Any, grammar_output: Any) -> Any:
         """Every node's token by the core's rule (`vllm_ddtree.core.sampling`; greedy: each row's first
         argmax), the walk and K/V compaction, for a step with drafts or one vLLM's sampler must not draw
-        (`options.vllm_sampler_serves`); vLLM's own sampling for the others."""
+        (`v2.options.vllm_sampler_serves`); vLLM's own sampling for the others."""
         step = self.step
         if step is None or input_batch is not self._step_batch or not (step.has_drafts or self._core_rule_draws):
             result = super().sample(hidden_states, input_batch, grammar_output)
             if self.clock is not None and step is not None:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
-        assert grammar_output is None  # structured outputs are refused at admission on V2
+        assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
-        states = self.sampler.sampling_states
-        params = tree_sampling_params(states, input_batch.idx_mapping_np, self.vocab_size, logits.device)
+        params = self.options.sampling_params()
         if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
             row_tokens = argmax_first(logits).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
@@ -264,14 +265,8 @@ class DDTreeV2RunnerMixin:
 
     def _clock_sampled(self, step: TreeStep, committed: int) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
-        assert self.clock is not None and step.acceptance is not None
-        if not step.has_drafts:  # roots alone: no draft to accept
-            self.clock.step_sampled(committed, {self._step_shape: 0})
-            return
-        accepted = host_tree.accepted_by_shape_on_host(
-            self.clock.policy.shapes, self._step_shape, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
-        )
-        self.clock.step_sampled(committed, accepted)
+        assert self.clock is not None
+        self.clock.step_sampled(committed, accepted_by_shape(self.clock.policy.shapes, self._step_shape, step))
 
     def _chain_view(self, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
         """The draft's view of the verify step: linear positions again and each window's accepted path

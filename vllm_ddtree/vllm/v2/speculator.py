@@ -24,7 +24,13 @@ import torch
 from typing_extensions import override
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes
+from vllm_ddtree.core import (
+    BudgetPolicy,
+    DraftTree,
+    SamplingRegimes,
+    TreeShape,
+    candidate_shapes,
+)
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.drafting import draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
