@@ -19,10 +19,10 @@ from typing_extensions import override
 from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree.core import BudgetPolicy, DraftTree, SamplingRegimes, TreeShape, candidate_shapes, unreadable_context_rows
+from vllm_ddtree.core import DraftTree, TreeShape, unreadable_context_rows
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.deferred_context import DeferredContext, rows_in_blocks
-from vllm_ddtree.vllm.drafting import draft_top_k
+from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
@@ -37,22 +37,15 @@ class DDTreeProposer(DFlashProposer):
         self, vllm_config: Any, device: torch.device, runner: Any, ddtree: DDTreeConfig, stage_times: StageTimes
     ) -> None:
         super().__init__(vllm_config, device, runner)
-        hf_config = self.draft_model_config.hf_config
-        block_size = getattr(hf_config, "block_size", None)
-        if not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(f"method 'ddtree' needs a DFlash draft whose config has block_size >= 2, got {block_size!r}")
-        if self.use_heterogeneous_vocab or getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
-            raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
+        self.max_depth = draft_max_depth(self.draft_model_config.hf_config, reduced_vocab=self.use_heterogeneous_vocab)
         self.ddtree = ddtree
         self.stage_times = stage_times
-        self.max_depth = block_size - 1
         self._top: tuple[torch.Tensor, torch.Tensor] | None = None
         self.last_trees: DraftTree | None = None
         self.tree_filter: Callable[[DraftTree, torch.Tensor, torch.Tensor, int], DraftTree] | None = None
         """Set by the runner: rebuilds some requests' trees from the same top-k (structured outputs:
         only grammar-admitted candidates, `NodeGrammars.filtered_trees`)."""
-        depth = min(ddtree.budget, self.max_depth)
-        self.budget_policy: BudgetPolicy | None = SamplingRegimes(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
+        self.budget_policy = budget_policy_for(ddtree, self.max_depth)
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self._candidates = 1
         self._deferred = DeferredContext()
@@ -70,7 +63,7 @@ class DDTreeProposer(DFlashProposer):
     def candidates_for(self, shape: TreeShape) -> int:
         """Draft candidates kept per depth for trees of `shape` (the top-k `_sample_draft_tokens` takes): no
         more than the tree's nodes, its shape's topk, or the configured topk."""
-        return max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
+        return candidates_for(shape, self.ddtree.topk)
 
     @override
     def propose(self, num_speculative_tokens: int, *, next_token_ids: torch.Tensor, **kwargs: Any) -> list[list[int]]:

@@ -39,10 +39,7 @@ from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import (
-    LogitBiasLogitsProcessor,
-    MinPLogitsProcessor,
-)
+from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinPLogitsProcessor
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
 from vllm_ddtree.core import (
@@ -59,11 +56,7 @@ from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
-from vllm_ddtree.vllm.sampling import (
-    gather_node_logits,
-    plain_sampler_serves,
-    sample_nodes,
-)
+from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -74,11 +67,7 @@ from vllm_ddtree.vllm.stage_times import (
 )
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
-from vllm_ddtree.vllm.v1.gdn import (
-    attach_gdn_trees,
-    compact_gdn_states,
-    kv_cache_group_kinds,
-)
+from vllm_ddtree.vllm.v1.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm.v1.options import read_v1_options
 from vllm_ddtree.vllm.v1.proposer import DDTreeProposer
 from vllm_ddtree.vllm.v1.startup_costs import seed_budget_policy

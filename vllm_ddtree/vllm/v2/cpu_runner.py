@@ -12,12 +12,7 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 
 from vllm_ddtree.vllm import cpu_tree_kernel, paged_kv
-from vllm_ddtree.vllm.attention import (
-    DDTreeCPUAttentionImpl,
-    DDTreeCPUAttentionMetadata,
-    TreeAttention,
-    warn_unless_float32,
-)
+from vllm_ddtree.vllm.attention import DDTreeCPUAttentionImpl, DDTreeCPUAttentionMetadata, TreeAttention, warn_unless_float32
 from vllm_ddtree.vllm.paged_kv import LayerRows
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.v2.runner import DDTreeV2RunnerMixin

@@ -24,15 +24,9 @@ import torch
 from typing_extensions import override
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.core import (
-    BudgetPolicy,
-    DraftTree,
-    SamplingRegimes,
-    TreeShape,
-    candidate_shapes,
-)
+from vllm_ddtree.core import DraftTree, TreeShape
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.drafting import draft_top_k
+from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 
 
@@ -52,18 +46,13 @@ class DDTreeSpeculator(DFlashSpeculator):
     for a step whose shape is off); chain_view: set by the runner, see the module docstring."""
 
     def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig) -> None:
-        hf_config = vllm_config.speculative_config.draft_model_config.hf_config
-        block_size = getattr(hf_config, "block_size", None)
-        if not isinstance(block_size, int) or block_size < 2:
-            raise ValueError(f"method 'ddtree' needs a DFlash draft whose config has block_size >= 2, got {block_size!r}")
-        if getattr(hf_config, "draft_vocab_size", None) not in (None, hf_config.vocab_size):
-            raise NotImplementedError("method 'ddtree' does not support DFlash drafts with a reduced vocabulary")
-        depth = min(ddtree.budget, block_size - 1)
+        max_depth = draft_max_depth(vllm_config.speculative_config.draft_model_config.hf_config)
+        depth = min(ddtree.budget, max_depth)
         super().__init__(_at_depth(vllm_config, depth), device)
         self.ddtree = ddtree
         self.depth = depth
         self.tree_draft_tokens = torch.zeros(self.max_num_reqs, ddtree.budget, dtype=torch.int64, device=device)
-        self.budget_policy: BudgetPolicy | None = SamplingRegimes(candidate_shapes(ddtree.budget, depth)) if ddtree.adaptive else None
+        self.budget_policy = budget_policy_for(ddtree, max_depth)
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self.last_trees: DraftTree | None = None
         self.draft_lists: list[list[int]] = []
@@ -105,7 +94,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if aux_hidden_states is not None and self.chain_view is not None:
             aux_hidden_states = self.chain_view(aux_hidden_states)
         shape = self.last_shape
-        self._candidates = max(1, min(shape.budget, shape.topk or shape.budget, self.ddtree.topk or shape.budget))
+        self._candidates = candidates_for(shape, self.ddtree.topk)
         self._top = None
         self._context_only = shape.is_off
         try:
