@@ -403,6 +403,27 @@ def test_at_large_batches_speculation_must_win_by_more_than_its_per_step_rate():
         assert held(num_requests, 115.0) == TreeShape(7, 1)
 
 
+def test_a_batchs_first_re_probe_credit_is_counted_in_steps_of_the_shape_it_holds():
+    """At 16 requests off holds (each tree's step costs 3-7 off steps), and the bucket's first timed
+    steps are the climb's trees. Its initial re-probe credit is RETIME_AFTER_STEPS steps of off, the
+    shape it holds, not of the first timed step: counted in a tree's step it would pay for several
+    re-timings of whole-batch trees while the batch holds off (the engine spent ~30% of a batch's
+    rounds on them). Once off holds, the credit is at most `reprobe` x (RETIME_AFTER_STEPS off steps +
+    the seconds timed so far)."""
+    shapes = candidate_shapes(8, 7)  # off, 4, chain 7, 8
+    seconds = {OFF: 0.004, TreeShape(4): 0.014, TreeShape(7, 1): 0.014, TreeShape(8): 0.015}
+    tokens = {OFF: 1.0, TreeShape(4): 2.0, TreeShape(7, 1): 2.5, TreeShape(8): 2.8}
+    policy = AdaptiveBudget(shapes, explore=0.0)
+    timed = 0.0
+    for _ in range(40):
+        shape = policy.choose(16)
+        policy.observe(16, shape, seconds[shape], {s: 16 * tokens[s] for s in reported_shapes(shapes, shape)})
+        timed += seconds[shape]
+    bucket = batch_bucket(16)
+    assert policy.best_shape(16) == OFF
+    assert policy.credit[bucket] <= policy.reprobe * (RETIME_AFTER_STEPS * seconds[OFF] + timed)
+
+
 def test_a_bucket_visited_now_and_then_does_not_re_time_its_rivals_on_every_visit():
     """An offline batch of 16 (64 steps) between stretches of 700 batch-1 steps, off clearly the best at
     16: timings age by the bucket's own steps, so after its first visit the batch of 16 runs off on

@@ -174,6 +174,8 @@ class AdaptiveBudget:
     _best: dict[int, int] = field(default_factory=dict)
     _observed_steps: int = 0
     _bucket_steps: dict[int, int] = field(default_factory=dict)
+    _credited: set[int] = field(default_factory=set)
+    """Buckets that have had their initial re-probe credit (`observe`)."""
     _new_text: bool = False
     _probe: ProbeCharge | None = None
     prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
@@ -224,9 +226,16 @@ class AdaptiveBudget:
             seconds = None
         if seconds is not None and (bucket, used) in self._past_first_step:
             self._time(bucket, used, seconds)
-            # a bucket starts with the credit of RETIME_AFTER_STEPS steps: its first estimates, from a
-            # few steps each, are the least sure
-            initial = self.reprobe * seconds * RETIME_AFTER_STEPS if bucket not in self.credit else 0.0
+            initial = 0.0
+            if bucket not in self._credited and (batch_of(bucket) == 0 or self._best.get(bucket) == self.shapes.index(used)):
+                # a bucket starts with the credit of RETIME_AFTER_STEPS steps: its first estimates, from a
+                # few steps each, are the least sure. At batch 1, steps of the first timed shape (a tree:
+                # the climb starts there), as its probes are charged what their tokens lose; at a batch,
+                # steps of its held best, as its probes are charged the seconds they take over the held
+                # best: a tree's step at a large batch costs several off steps, and a credit counted in
+                # them would pay for several probes of the whole batch where off holds
+                initial = self.reprobe * seconds * RETIME_AFTER_STEPS
+                self._credited.add(bucket)
             self.credit[bucket] = self.credit.get(bucket, 0.0) + initial + self.reprobe * seconds
         self._past_first_step.add((bucket, used))
         if self._probe is not None:
