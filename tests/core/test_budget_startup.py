@@ -136,3 +136,22 @@ def test_start_up_costs_of_unknown_shapes_or_no_step_are_left_out():
     policy = AdaptiveBudget(SHAPES)
     policy.seed_costs({(1, TreeShape(32)): 0.01, (1, OFF): math.nan, (1, CHAIN): -1.0, (1, TreeShape(4)): 0.004})
     assert policy.prior == {(0, TreeShape(4)): 0.004}
+
+
+def test_a_fresh_engines_slow_first_steps_do_not_keep_a_large_batch_off_off():
+    """Batch 12, nothing measured yet: the bucket starts on a tree, whose first timed steps carry one-time
+    costs (4x). Off is untimed, its start-up cost shifted by speculation's step overhead over the table
+    (`_prior_offsets`): the least a speculative shape shows, as one-time costs only add time. With the
+    median of a few shapes the slow one set it, off looked dearer than the trees, and a held tree never
+    times off: the policy ran trees for hundreds of steps at several times off's cost."""
+    assert fastest(12, discount=0.35) == OFF
+    policy = AdaptiveBudget(SHAPES, explore=0.0)
+    policy.seed_costs(startup_table())
+    chosen = []
+    for step in range(300):
+        shape = policy.choose(12)
+        chosen.append(shape)
+        seconds = STEP_SECONDS[12][shape] * (4.0 if step < 2 else 1.0)
+        policy.observe(12, shape, seconds, {s: TOKENS[s] * 12 for s in reported_shapes(SHAPES, shape)})
+    assert policy.best_shape(12) == OFF
+    assert sum(not shape.is_off for shape in chosen) <= 30, chosen

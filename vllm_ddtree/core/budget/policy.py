@@ -340,9 +340,10 @@ class AdaptiveBudget:
         return max(prior + offset, 0.1 * prior)
 
     def _prior_offsets(self, bucket: int) -> tuple[float, float] | None:
-        """(off's, speculation's) step overhead over their start-up costs: the median, over the shapes of a
-        kind timed in this bucket, of their cost less their start-up cost; a kind none of whose shapes is
-        timed here takes the other kind's. A bucket where no shape with a start-up cost is timed takes the
+        """(off's, speculation's) step overhead over their start-up costs: the least, over the shapes of a
+        kind timed in this bucket, of their cost less their start-up cost (one-time costs only add time: a
+        shape timed on its first slow steps must not set it, and off, when it borrows speculation's, is
+        never timed while a tree holds); a kind none of whose shapes is timed here takes the other kind's. A bucket where no shape with a start-up cost is timed takes the
         offsets of a neighbour that has one: an adjacent batch bucket of the same context length, else
         the same batch bucket at another context length. No farther: the overhead grows with the batch
         (each request's host work: its tree, its walk), so batch 12's would swamp batch 1's costs. None
@@ -366,7 +367,7 @@ class AdaptiveBudget:
             costs, prior = self.costs.get((bucket, shape)), self.prior.get((batch_of(bucket), shape))
             if costs is not None and costs.values and prior is not None:
                 kinds[0 if shape.is_off else 1].append(costs.median - prior)
-        off, speculative = (statistics.median(kind) if kind else None for kind in kinds)
+        off, speculative = (min(kind) if kind else None for kind in kinds)
         if off is None and speculative is None:
             return None
         return (off if off is not None else speculative, speculative if speculative is not None else off)  # type: ignore[return-value]
