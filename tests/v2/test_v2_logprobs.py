@@ -9,7 +9,9 @@ steps), a seeded sampled one with `logprob_token_ids`, a seeded sampled one with
 - every emitted token's logprob, rank and top-n ids equal V1 ddtree's (values within TOL: the two
   runners score the same rows with different kernels; a top-n id may differ only at a near-tie at the
   cut, its value within TOL of the other runner's last one), and the asked ids' values too;
-- the greedy request's tokens, logprobs and prompt_logprobs equal plain V1 decoding's;
+- the greedy request's tokens, logprobs and prompt_logprobs equal plain V1 decoding's, and on V2 its
+  `prompt_logprob_token_ids` scores (V2 only: vLLM refuses them on V1) plain decoding's values of the
+  same ids;
 - the request without logprobs gets none.
 V1 ddtree equals plain decoding in these respects (tests/e2e/test_logprobs.py), so V2 does too.
 
@@ -55,10 +57,17 @@ def runs():
         SamplingParams(temperature=0.9, seed=2, **common),
     ]
     greedy = [SamplingParams(temperature=0.0, logprobs=TOP_N, prompt_logprobs=3, **common)] * len(LENGTHS)
+    plain = run("v1", None, lengths=LENGTHS, params=greedy)
+    # V2 only (vLLM refuses it on V1): the first request also scores, at each prompt row, the ids plain
+    # decoding's prompt_logprobs put in the next token's top 3
+    scored = [sorted(position, key=lambda token: -position[token].logprob)[:3] for position in plain.outputs[0].prompt_logprobs[1:]]
+    on_v2 = [params[0].clone(), *params[1:]]
+    on_v2[0].prompt_logprob_token_ids = scored
     return {
         "v1": run("v1", ddtree(), lengths=LENGTHS, params=params),
-        "v2": run("v2", ddtree(), lengths=LENGTHS, params=params),
-        "plain": run("v1", None, lengths=LENGTHS, params=greedy),
+        "v2": run("v2", ddtree(), lengths=LENGTHS, params=on_v2),
+        "plain": plain,
+        "scored": scored,
     }
 
 
@@ -96,6 +105,16 @@ def test_greedy_logprobs_and_prompt_logprobs_equal_plain_decoding(runs):
     for a, b in zip(v2.prompt_logprobs[1:], plain.prompt_logprobs[1:], strict=True):
         _same_position(a, b, 3)
     assert all(runs["v2"].outputs[i].prompt_logprobs is None for i in (1, 2))
+
+
+def test_prompt_logprob_token_ids_equal_plain_decodings_prompt_logprobs(runs):
+    """V2's own prompt scoring (`prompt_logprob_token_ids`, vLLM's V2 runner only) on the prompt rows of
+    prefill chunks beside tree verify steps: plain decoding's values of the same ids."""
+    scores = runs["v2"].outputs[0].prompt_token_id_logprobs
+    plain = runs["plain"].outputs[0].prompt_logprobs[1:]
+    assert scores is not None and len(scores) == len(plain) == LENGTHS[0] - 1
+    for row, ids, position in zip(scores, runs["scored"], plain, strict=True):
+        assert all(abs(float(value) - position[token].logprob) < TOL for value, token in zip(row, ids, strict=True)), (row, ids, position)
 
 
 def _one_step():
