@@ -12,13 +12,16 @@
 - verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
   the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
-  num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
+  num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5), with each
+  emitted token's logprobs from its node's row in V2's layout (D13, `v2/logprobs.py`);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
   accepted path first, D7);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
-except for a batch with a seeded request, which the core rule draws at every step (`v2/options.py`).
+except for a batch with a seeded request (`v2/options.py`) or one asking for logprobs, which the core
+rule draws at every step. Prompt logprobs are vLLM's, from the prompt rows of prefill chunks (never
+tree rows).
 Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
 synchronous (checked at start). What this layer does not carry yet is refused at start or admission
 (`support.REFUSALS`, "on the V2 model runner").
