@@ -10,7 +10,9 @@ scheduler's `slice_request`) keeps the first num_sampled rows of each block. A r
 them are zero (never read).
 
 What each request gets is V2's rule for plain decoding: the token, then its `logprob_token_ids` if it
-set them, else the batch's top n (-inf padded); values log-softmaxed in the *_logprobs modes.
+set them, else the batch's top n (-inf padded); values log-softmaxed in the *_logprobs modes. The rows
+scored are the shared rule's (`emitted_logit_values`), so the processed modes report what V1's layer
+reports (greedy requests: their raw rows).
 """
 
 from __future__ import annotations
@@ -48,9 +50,9 @@ def v2_emitted_logprobs(
     mode = sampler.logprobs_mode
     device = logits.device
     emitted = emitted_tokens(logits, processed, step, output, mode)
-    params = options.sampling_params(top_k_one_is_greedy=False)
-    values = emitted_logit_values(emitted.source, emitted.rows.to(device), emitted.requests.to(device), params, mode)
     requests = emitted.requests.to(device)
+    params = options.sampling_params(top_k_one_is_greedy=False)
+    values = emitted_logit_values(emitted.source, emitted.rows.to(device), requests, params, mode)
     scores = compute_topk_scores(
         values,
         num_logprobs,
