@@ -94,12 +94,14 @@ def record_verified_steps(runner: Any, steps: list) -> None:
 @dataclass
 class Run:
     """One engine's outputs: per-prompt token ids and finish reasons, the spec-decode counters (and
-    preemptions) of `LLM.get_metrics()`, and (method 'ddtree') every verify step (`VerifiedRequests`)."""
+    preemptions) of `LLM.get_metrics()`, (method 'ddtree') every verify step (`VerifiedRequests`), and
+    vLLM's `RequestOutput`s themselves (logprobs, prompt logprobs)."""
 
     token_ids: list[list[int]]
     finish_reasons: list[str]
     metrics: dict[str, Any]
     steps: list[Any] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -152,6 +154,7 @@ def run_engine(target: str, spec: dict | None, requests, params, **llm_kwargs) -
             finish_reasons=[o.outputs[0].finish_reason for o in outs],
             metrics=_spec_metrics(llm),
             steps=steps,
+            outputs=outs,
         )
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -14,8 +14,8 @@ each token was drawn at, so:
   teacher-forced score of the same token and id (prompt + output scored with prompt_logprobs=-1).
 Both ddtree batches mix the two kinds of requests: each request gets what it asked for (vLLM's own
 sampler gives every row of such a batch the id rows), compared with plain decoding's batches of one
-kind each. prompt_logprob_token_ids needs vLLM's V2 model runner, which method 'ddtree' does not run
-on: vLLM refuses it.
+kind each. prompt_logprob_token_ids needs vLLM's V2 model runner: vLLM refuses it on these V1 engines
+(on V2: tests/v2/test_v2_logprobs.py).
 """
 
 from __future__ import annotations

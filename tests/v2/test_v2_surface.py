@@ -69,8 +69,6 @@ def test_a_release_without_the_v2_layer_keeps_its_own_path(monkeypatch):
         ({"bad_words": ["x"]}, "bad_words"),
         ({"logit_bias": {3: 1.0}}, "logit_bias"),
         ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-        ({"logprobs": 2}, "logprobs"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
 )
 def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(options, parameter):
@@ -85,7 +83,8 @@ def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(o
 
 @pytest.mark.parametrize(
     "options",
-    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05}],
+    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+     {"temperature": 0.0, "logprobs": 2, "prompt_logprobs": 1}, {"temperature": 0.8, "logprobs": -1, "logprob_token_ids": [3, 4]}],
 )
 def test_greedy_and_sampled_requests_pass_on_v2(options):
     from vllm import SamplingParams

@@ -2,13 +2,15 @@
 
 Token k of a request's output was drawn at the k-th node of its accepted path, so its logprobs come
 from that node's logits row (raw modes) or that row after the node's history-dependent options
-(processed modes), computed as vLLM's sampler computes them at the same position and gathered by
-vLLM's sampler itself (`Sampler.gather_logprobs`, `Sampler.gather_specific_token_logprobs`), in vLLM's
-layout for the step's output rows.
+(processed modes), computed as vLLM's sampler computes them at the same position. The row choice
+(`emitted_tokens`, `emitted_logit_values`) is shared by both runner layers; each gathers with its own
+runner's code: V1's sampler (`Sampler.gather_logprobs`, `Sampler.gather_specific_token_logprobs`, below,
+in V1's layout for the step's output rows), V2's `compute_topk_scores` (`v2/logprobs.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,55 +23,79 @@ if TYPE_CHECKING:
     from vllm_ddtree.vllm.tree_step import TreeStep
 
 
-def emitted_logprobs(
-    sampler: Any, options: RequestOptions, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
-) -> LogprobsTensors | None:
-    """Logprobs of every emitted token of `step` (None unless a request of the batch asked for them: top
-    n, the whole vocabulary or `logprob_token_ids`; options: the batch's; sampler: vLLM's).
-    logits: the step's logits rows; processed [R, N, V]: the nodes' logits after their history-dependent
-    options, or None; output [R, W]: the step's output rows (accepted drafts + bonus, -1 padded). Rows
-    follow vLLM's layout for output: row r * W + k, rows of unused output slots zero (vLLM drops them
-    with the slots). output and the acceptance are host tensors; the logprobs are computed and returned
-    on the logits' device."""
-    if not options.wants_logprobs:
-        return None
+@dataclass(frozen=True)
+class EmittedTokens:
+    """The M tokens a step emits (output >= 0, in row-major order of the output rows) and the rows their
+    logprobs come from. Index tensors are host int64 tensors."""
+
+    requests: torch.Tensor
+    """[M] each token's request (batch index)."""
+    columns: torch.Tensor
+    """[M] each token's place in its request's output this step (0: the first token)."""
+    token_ids: torch.Tensor
+    """[M] the tokens."""
+    source: torch.Tensor
+    """[S, V] the rows the logprobs come from: the step's logits rows, or the nodes' processed rows
+    flattened to [R * N, V] (processed modes of a batch whose nodes were processed)."""
+    rows: torch.Tensor
+    """[M] each token's row of `source`: the row of the node it was drawn at."""
+
+
+def emitted_tokens(logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor, logprobs_mode: str) -> EmittedTokens:
+    """The emitted tokens of `step` and their node rows. logits: the step's logits rows; processed
+    [R, N, V]: the nodes' logits after their history-dependent options, or None; output [R, W] (host):
+    the step's output rows (accepted drafts + bonus, -1 padded). Processed modes read `processed` when
+    there is one, raw modes always the logits."""
     assert step.acceptance is not None
-    device = logits.device
-    emitted = output >= 0
-    requests, columns = emitted.nonzero(as_tuple=True)
+    requests, columns = (output >= 0).nonzero(as_tuple=True)
     nodes = step.acceptance.accepted_nodes[requests, columns]
-    mode = sampler.logprobs_mode
-    if processed is not None and mode.startswith("processed"):
+    if processed is not None and logprobs_mode.startswith("processed"):
         source, rows = processed.flatten(0, 1), requests * step.tree.nodes_per_request + nodes
     else:
         source, rows = logits, step.node_logit_rows()[requests, nodes]
+    return EmittedTokens(requests, columns, output[requests, columns].long(), source, rows)
+
+
+def emitted_logprobs(
+    sampler: Any, options: RequestOptions, logits: torch.Tensor, processed: torch.Tensor | None, step: TreeStep, output: torch.Tensor
+) -> LogprobsTensors | None:
+    """V1: logprobs of every emitted token of `step` (None unless a request of the batch asked for them:
+    top n, the whole vocabulary or `logprob_token_ids`; options: the batch's; sampler: vLLM's V1 one).
+    logits, processed, output: as `emitted_tokens`. Rows follow V1's layout for output: row r * W + k,
+    rows of unused output slots zero (vLLM drops them with the slots). output and the acceptance are host
+    tensors; the logprobs are computed and returned on the logits' device."""
+    if not options.wants_logprobs:
+        return None
+    device = logits.device
+    mode = sampler.logprobs_mode
+    emitted = emitted_tokens(logits, processed, step, output, mode)
     params = options.sampling_params(top_k_one_is_greedy=False)
-    values = emitted_logprob_values(source, rows.to(device), requests.to(device), params, mode)
-    gathered = gather_emitted_logprobs(sampler, values, output[emitted].long().to(device), requests,
+    values = emitted_logprob_values(emitted.source, emitted.rows.to(device), emitted.requests.to(device), params, mode)
+    gathered = gather_emitted_logprobs(sampler, values, emitted.token_ids.to(device), emitted.requests,
                                        options.num_logprobs, options.logprob_token_ids)
-    slots = emitted.flatten().nonzero().squeeze(1).to(device)
+    slots = (emitted.requests * output.shape[1] + emitted.columns).to(device)
     width = gathered.logprob_token_ids.shape[1]
-    token_ids = torch.zeros(emitted.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)
-    values_out = torch.zeros(emitted.numel(), width, dtype=gathered.logprobs.dtype, device=device)
-    ranks = torch.zeros(emitted.numel(), dtype=gathered.selected_token_ranks.dtype, device=device)
+    token_ids = torch.zeros(output.numel(), width, dtype=gathered.logprob_token_ids.dtype, device=device)
+    values_out = torch.zeros(output.numel(), width, dtype=gathered.logprobs.dtype, device=device)
+    ranks = torch.zeros(output.numel(), dtype=gathered.selected_token_ranks.dtype, device=device)
     token_ids[slots], values_out[slots], ranks[slots] = gathered.logprob_token_ids, gathered.logprobs, gathered.selected_token_ranks
     return LogprobsTensors(token_ids, values_out, ranks)
 
 
-def emitted_logprob_values(
+def emitted_logit_values(
     logits: torch.Tensor,
     emitted_rows: torch.Tensor,
     emitted_requests: torch.Tensor,
     params: TreeSamplingParams,
     logprobs_mode: str,
 ) -> torch.Tensor:
-    """[M, V] the distribution vLLM's sampler reports logprobs from, for M emitted tokens, exactly as
-    plain decoding computes it at the same positions: the step's logits rows emitted_rows [M] (each
-    token's node row) of the requests emitted_requests [M] (batch indices into `params`).
+    """[M, V] float32 the logits vLLM's sampler reports logprobs from (before any log-softmax), for M
+    emitted tokens, exactly as plain decoding computes them at the same positions: the rows emitted_rows
+    [M] of `logits` (each token's node row) of the requests emitted_requests [M] (batch indices into
+    `params`).
 
-    Modes (vLLM's `logprobs_mode`): raw_logprobs / raw_logits: the model's logits, log-softmaxed or
-    not; processed_logprobs / processed_logits: after temperature, top-k and top-p (greedy requests:
-    the raw logits, as in vLLM's greedy path)."""
+    Modes (vLLM's `logprobs_mode`): raw_*: the model's logits; processed_*: after temperature, top-k and
+    top-p (greedy requests: the raw logits, as in vLLM's greedy path)."""
     rows = logits.index_select(0, emitted_rows).to(torch.float32)
     if logprobs_mode.startswith("processed") and not bool(params.is_greedy.all()):
         per_token = TreeSamplingParams(
@@ -80,6 +106,19 @@ def emitted_logprob_values(
         )
         processed = process_logits(rows.unsqueeze(1), per_token).squeeze(1)
         rows = torch.where(per_token.is_greedy.unsqueeze(1), rows, processed)
+    return rows
+
+
+def emitted_logprob_values(
+    logits: torch.Tensor,
+    emitted_rows: torch.Tensor,
+    emitted_requests: torch.Tensor,
+    params: TreeSamplingParams,
+    logprobs_mode: str,
+) -> torch.Tensor:
+    """`emitted_logit_values`, log-softmaxed in the *_logprobs modes: the [M, V] distribution V1's
+    sampler gathers from."""
+    rows = emitted_logit_values(logits, emitted_rows, emitted_requests, params, logprobs_mode)
     return rows.log_softmax(dim=-1) if logprobs_mode.endswith("logprobs") else rows
 
 

@@ -12,13 +12,16 @@
 - verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
   the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
-  num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
+  num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5), with each
+  emitted token's logprobs from its node's row in V2's layout (D13, `v2/logprobs.py`);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
   accepted path first, D7);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
-except for a batch with a seeded request, which the core rule draws at every step (`v2/options.py`).
+except for a batch with a seeded request (`v2/options.py`) or one asking for logprobs, which the core
+rule draws at every step. Prompt logprobs are vLLM's, from the prompt rows of prefill chunks (never
+tree rows).
 Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
 synchronous (checked at start). What this layer does not carry yet is refused at start or admission
 (`support.REFUSALS`, "on the V2 model runner").
@@ -49,6 +52,7 @@ from vllm_ddtree.vllm.sampling import sample_nodes
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
+from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
 from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
@@ -94,6 +98,7 @@ class DDTreeV2RunnerMixin:
         self.step: TreeStep | None = None
         self._step_batch: Any = None  # the InputBatch `step` was built for
         self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
+        self._logprobs_dims: tuple[int, int] | None = None  # this step's (top n, most logprob_token_ids), None: no logprobs
         self.options: RequestOptions | None = None  # this step's request options (`prepare_inputs`)
         self._proposals = Proposals()
         self.clock: StepClock | None = None
@@ -185,7 +190,9 @@ class DDTreeV2RunnerMixin:
         self.step = self._build_step(input_batch)
         self._step_batch = input_batch
         self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, self.vocab_size, self.device)
-        self._core_rule_draws = not vllm_sampler_serves(self.options)
+        self._logprobs_dims = self.sampler.get_logprobs_dims(input_batch.idx_mapping_np)
+        # logprobs are served by one path, the core rule's, at every step (as on V1, `plain_sampler_serves`)
+        self._core_rule_draws = not vllm_sampler_serves(self.options) or self._logprobs_dims is not None
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
             policy.use(self.options.all_greedy)
@@ -241,6 +248,7 @@ class DDTreeV2RunnerMixin:
         assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
         params = self.options.sampling_params()
+        processed = None  # the nodes' logits after history-dependent options: none carried on V2 yet
         if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
             row_tokens = argmax_first(logits).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
@@ -248,6 +256,7 @@ class DDTreeV2RunnerMixin:
             positions = step.draw_positions().to(logits.device) if params.seeds else None  # only seeded draws are keyed
             step.target_token_ids = sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params).cpu()
             output = walk(step)
+        logprobs = v2_emitted_logprobs(self.sampler, input_batch, self._logprobs_dims, self.options, logits, processed, step, output)
         if step.has_branching and (moves := kv_slot_moves(step)) is not None:
             self._move_kv_rows(*moves)
         device = logits.device
@@ -259,7 +268,7 @@ class DDTreeV2RunnerMixin:
         if self.clock is not None:
             self._clock_sampled(step, int(num_sampled.sum()))
         sampler_output = SamplerOutput(
-            sampled_token_ids=output.to(device), logprobs_tensors=None, num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected
+            sampled_token_ids=output.to(device), logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected
         )
         return sampler_output, num_sampled, num_rejected
 
