@@ -3,9 +3,10 @@ rank): every rank builds its trees from TP rank 0's draft top-K and tree shape a
 (`vllm_ddtree.vllm.rank_zero`, docs/v2_runner.md D15), so every rank walks the same paths, compacts its own
 K/V shard alike and commits the same tokens.
 
-One V2 engine at TP=2 (the default adaptive policy) serves three batches: greedy under the default policy;
-greedy under a scripted policy that chooses the full tree at every step (a fixed budget); and a seeded
-T > 0 request beside an unseeded one and a greedy one. A recorder on every worker (`LLM.collective_rpc`)
+One V2 engine at TP=2 (the default adaptive policy) serves four batches: greedy under the default policy;
+greedy under a scripted policy that chooses the full tree at every step (a fixed budget); a seeded T > 0
+request beside an unseeded one and a greedy one; and greedy again with rank 1's target and draft logits
+negated (the power check: rank 1 must still build rank 0's trees and commit rank 0's tokens). A recorder on every worker (`LLM.collective_rpc`)
 keeps each rank's steps (shape, trees, sampled rows, accepted paths); the ranks' records must be equal.
 Baselines in the same child: V1 plain decoding (greedy must equal it) and V1 ddtree at a fixed budget (the
 seeded request's draws are keyed by (seed, position), so its tokens must equal V1's).
@@ -70,6 +71,19 @@ def _script_fixed_tree(worker: Any) -> None:
     runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.speculator.depth), [TreeShape(BUDGET, None)]))
 
 
+def _negate_rank_one_logits(worker: Any) -> None:
+    """Rank 1 only: its target's and its draft's logits negated (after their collectives), so that its own
+    top-K, argmaxes and draws would build other trees and commit other tokens than rank 0's."""
+    from vllm.distributed import get_tp_group
+
+    if get_tp_group().rank_in_group != 1:
+        return
+    runner = worker.model_runner
+    target_logits, draft_logits = runner.model.compute_logits, runner.speculator.compute_draft_logits
+    runner.model.compute_logits = lambda *args, **kwargs: -target_logits(*args, **kwargs)
+    runner.speculator.compute_draft_logits = lambda *args, **kwargs: -draft_logits(*args, **kwargs)
+
+
 def _generate(llm: Any, params: Any) -> tuple[list[list[int]], list[list]]:
     """Token ids per prompt, and each rank's recorded steps."""
     from tests.e2e.conftest import heldout_code_prompts
@@ -106,6 +120,8 @@ def runs() -> dict[str, Any]:
             llm.collective_rpc(_script_fixed_tree)
             out["v2 fixed"] = _generate(llm, greedy)
             out["v2 sampled"] = _generate(llm, sampled)
+            llm.collective_rpc(_negate_rank_one_logits)
+            out["v2 rank 1 negated"] = _generate(llm, greedy)
         finally:
             llm.llm_engine.engine_core.shutdown()
     return out
@@ -145,3 +161,11 @@ def test_a_seeded_sampled_request_equals_v1_and_ranks_agree(runs):
     assert token_ids[0] != runs["v1 plain"][0] and token_ids[1] != runs["v1 plain"][1]  # the power of the equality
     assert len(token_ids[1]) == MAX_TOKENS
     assert rank0 == rank1 and _verified(rank0)
+
+
+def test_every_rank_commits_rank_zeros_tokens_whatever_its_own_logits(runs):
+    """The power of the ranks' agreement above: with rank 1's target and draft logits negated, its trees,
+    node tokens and first tokens are still rank 0's, and the output still equals plain decoding."""
+    token_ids, (rank0, rank1) = runs["v2 rank 1 negated"]
+    assert token_ids == runs["v1 plain"]
+    assert rank0 == rank1 and _deepest_path(rank0) > 2
