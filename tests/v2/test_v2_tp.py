@@ -109,7 +109,7 @@ def runs() -> dict[str, Any]:
         mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
         mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc with this module's functions
-        mp.setenv("PYTHONPATH", os.pathsep.join([str(SPAWNED), str(REPO), os.environ.get("PYTHONPATH", "")]))
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SPAWNED), str(REPO), os.environ.get("PYTHONPATH")])))
         llm = LLM(model=demo_pair_paths()[0], speculative_config=ddtree(ddtree_adaptive=True), skip_tokenizer_init=True,
                   dtype="float32", enforce_eager=True, tensor_parallel_size=2, distributed_executor_backend="mp",
                   kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=CHUNK,
