@@ -204,4 +204,3 @@ class DDTreeProposer(DFlashProposer):
             values, indices = draft_top_k(logits, self._candidates)
         self._top = (values, indices)
         return indices[:, 0], None
-
