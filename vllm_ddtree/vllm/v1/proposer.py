@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 from typing_extensions import override
-from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_ddtree.core import DraftTree, TreeShape, unreadable_context_rows
@@ -24,6 +23,7 @@ from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.deferred_context import DeferredContext, rows_in_blocks
 from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
+from vllm_ddtree.vllm.rank_zero import from_rank_zero, shape_from_rank_zero
 from vllm_ddtree.vllm.stage_times import DRAFT_FORWARD, DRAFT_TOPK, TREE_BUILD, StageTimes
 
 
@@ -57,7 +57,7 @@ class DDTreeProposer(DFlashProposer):
         holding `context_tokens` tokens each on average (TP rank 0's on every rank), or the fixed shape
         without a policy."""
         if self.budget_policy is not None:
-            self.last_shape = _same_on_every_rank(self.budget_policy.choose(num_requests, context_tokens))
+            self.last_shape = shape_from_rank_zero(self.budget_policy.choose(num_requests, context_tokens))
         return self.last_shape
 
     def candidates_for(self, shape: TreeShape) -> int:
@@ -90,7 +90,7 @@ class DDTreeProposer(DFlashProposer):
         with self.stage_times.stage(TREE_BUILD):
             # Trees are built and kept on the host (the scheduler takes them as lists anyway): one copy of
             # the top-k, a no-op on CPU.
-            top_logprobs, top_token_ids = (_rank_zeros(t).view(next_token_ids.shape[0], depth, -1).cpu() for t in self._top)
+            top_logprobs, top_token_ids = (from_rank_zero(t).view(next_token_ids.shape[0], depth, -1).cpu() for t in self._top)
             # the trees keep the draft's chain; a tree a grammar rebuilt does not (its chain is not the
             # draft's rank-0 tokens)
             trees = build_draft_trees_on_host(next_token_ids.long().cpu(), top_logprobs, top_token_ids, shape.budget, with_chain=True)
@@ -204,18 +204,3 @@ class DDTreeProposer(DFlashProposer):
             values, indices = draft_top_k(logits, self._candidates)
         self._top = (values, indices)
         return indices[:, 0], None
-
-
-def _rank_zeros(top: torch.Tensor) -> torch.Tensor:
-    """TP rank 0's draft top-k on every rank, so every rank builds the same trees (each rank's draft
-    forward ends in its own all-reduces; nothing guarantees bitwise-equal logits, hence equal ties)."""
-    return get_tp_group().broadcast(top.contiguous(), src=0)
-
-
-def _same_on_every_rank(shape: TreeShape) -> TreeShape:
-    """TP rank 0's choice (each rank times its own steps; all must build the same trees)."""
-    group = get_tp_group()
-    if group.world_size == 1:
-        return shape
-    shared = group.broadcast(torch.tensor([shape.budget, shape.topk or 0]), src=0)
-    return TreeShape(int(shared[0]), int(shared[1]) or None)

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 from typing_extensions import override
 from vllm.config import get_layers_from_vllm_config
-from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.outputs import DraftTokenIds, SamplerOutput
 from vllm.v1.sample.logits_processor import LogitsProcessors
@@ -56,6 +55,7 @@ from vllm_ddtree.vllm.logprobs import emitted_logprobs
 from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
+from vllm_ddtree.vllm.rank_zero import from_rank_zero
 from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
@@ -376,7 +376,7 @@ class DDTreeRunnerMixin:
         if self._vllm_samples:  # no drafts (a plain step has no `TreeStep`)
             with self.stage_times.stage(ACCEPTANCE):
                 sampled = super()._sample(logits, None).sampled_token_ids
-                sampled = get_tp_group().broadcast(sampled, src=0)  # one token per request on every rank
+                sampled = from_rank_zero(sampled)  # one token per request on every rank
             if self.clock is not None:
                 self._clock_sampled(step, sampled)
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
@@ -409,14 +409,14 @@ class DDTreeRunnerMixin:
         target = sample_nodes(logits, rows, positions, params, processed)
         # The step's trees and the walk live on the host: one copy back, where vLLM reads the sampled
         # tokens back anyway (a no-op on CPU).
-        step.target_token_ids = get_tp_group().broadcast(target, src=0).cpu()
+        step.target_token_ids = from_rank_zero(target).cpu()
         return processed
 
     def _accept_greedy(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor:
         """`_sample_nodes` then `steps.walk` for a greedy batch without history-dependent options: the argmax
         of every logits row (TP rank 0's on every rank), then one compiled call reads the nodes' tokens
         off their rows, walks the trees and pads vLLM's output rows (`accept_greedy_rows_on_host`)."""
-        row_tokens = get_tp_group().broadcast(argmax_first(logits), src=0).cpu()
+        row_tokens = from_rank_zero(argmax_first(logits)).cpu()
         step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
         return output
 

@@ -24,7 +24,7 @@ Invariants:
   TIME_LIMIT_S (the next size has about twice the rows, so about twice the time of the last); batch 1
   is always timed.
 - Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
-  its own policy, of which TP rank 0's decides every step (`proposer._same_on_every_rank`); rank 0
+  its own policy, of which TP rank 0's decides every step (`rank_zero.shape_from_rank_zero`); rank 0
   alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
 - Dummy inputs are zeros and fixed values: no random draw, so vLLM's seeded state is as it left it.
 """

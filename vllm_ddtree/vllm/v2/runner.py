@@ -18,6 +18,10 @@
   accepted path first, D7);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
+Tensor parallelism (D15): every rank builds its trees from TP rank 0's draft top-K and shape
+(`speculator`) and takes TP rank 0's sampled tokens (`rank_zero`), so the host state each rank keeps
+(trees, proposals, policy choice) and the tokens it commits agree; each rank moves its own K/V shard.
+
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
 except for a batch with a seeded request (`v2/options.py`) or one asking for logprobs, which the core
 rule draws at every step. Prompt logprobs are vLLM's, from the prompt rows of prefill chunks (never
@@ -48,6 +52,7 @@ from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
+from vllm_ddtree.vllm.rank_zero import from_rank_zero
 from vllm_ddtree.vllm.sampling import sample_nodes
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
@@ -238,10 +243,14 @@ class DDTreeV2RunnerMixin:
     def sample(self, hidden_states: torch.Tensor, input_batch: Any, grammar_output: Any) -> Any:
         """Every node's token by the core's rule (`vllm_ddtree.core.sampling`; greedy: each row's first
         argmax), the walk and K/V compaction, for a step with drafts or one vLLM's sampler must not draw
-        (`v2.options.vllm_sampler_serves`); vLLM's own sampling for the others."""
+        (`v2.options.vllm_sampler_serves`); vLLM's own sampling for the others. Under tensor parallelism
+        the tokens are TP rank 0's on every rank (`rank_zero`: unseeded draws and logits ties may differ
+        per rank), so every rank walks the same paths, compacts its own K/V shard alike and commits the
+        same tokens."""
         step = self.step
         if step is None or input_batch is not self._step_batch or not (step.has_drafts or self._core_rule_draws):
             result = super().sample(hidden_states, input_batch, grammar_output)
+            result[0].sampled_token_ids = from_rank_zero(result[0].sampled_token_ids)  # one token per request
             if self.clock is not None and step is not None:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
@@ -250,11 +259,11 @@ class DDTreeV2RunnerMixin:
         params = self.options.sampling_params()
         processed = None  # the nodes' logits after history-dependent options: none carried on V2 yet
         if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
-            row_tokens = argmax_first(logits).cpu()
+            row_tokens = from_rank_zero(argmax_first(logits)).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
         else:
             positions = step.draw_positions().to(logits.device) if params.seeds else None  # only seeded draws are keyed
-            step.target_token_ids = sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params).cpu()
+            step.target_token_ids = from_rank_zero(sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params)).cpu()
             output = walk(step)
         logprobs = v2_emitted_logprobs(self.sampler, input_batch, self._logprobs_dims, self.options, logits, processed, step, output)
         if step.has_branching and (moves := kv_slot_moves(step)) is not None:

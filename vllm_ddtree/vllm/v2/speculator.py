@@ -9,6 +9,9 @@ mask position and returns the rank-0 tokens (DFlash's chain); after the pass the
 this speculator's own [max_num_reqs, budget] buffer, which the runner copies into the verify rows'
 device drafts, and keeps the same nodes as host lists for the scheduler (`draft_lists`).
 
+Under tensor parallelism the trees come from TP rank 0's top-K and the shape from its policy (D15,
+`rank_zero`); each rank's DFlash pass stores its own shard of the draft's context K/V.
+
 Before the pass the runner's `chain_view` puts each verify window's accepted path first at linear
 positions, so DFlash's assumption holds that a window's accepted rows are its first ones and
 `num_rejected` counts the rest.
@@ -28,6 +31,7 @@ from vllm_ddtree.core import DraftTree, TreeShape
 from vllm_ddtree.vllm.config import DDTreeConfig
 from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
+from vllm_ddtree.vllm.rank_zero import from_rank_zero, shape_from_rank_zero
 
 
 def _at_depth(vllm_config: Any, depth: int) -> Any:
@@ -63,9 +67,10 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def choose_shape(self, num_requests: int, context_tokens: float) -> TreeShape:
         """This step's tree shape (`last_shape`): the budget policy's choice for a batch of `num_requests`
-        holding `context_tokens` tokens each on average, or the fixed shape without a policy."""
+        holding `context_tokens` tokens each on average (TP rank 0's on every rank), or the fixed shape
+        without a policy."""
         if self.budget_policy is not None:
-            self.last_shape = self.budget_policy.choose(num_requests, context_tokens)
+            self.last_shape = shape_from_rank_zero(self.budget_policy.choose(num_requests, context_tokens))
         return self.last_shape
 
     @override
@@ -106,8 +111,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         if shape.is_off:
             return self.tree_draft_tokens[:num_reqs]
         assert self._top is not None
-        # Trees are built and kept on the host (the scheduler takes them as lists): one copy of the top-K.
-        top_logprobs, top_token_ids = (t.view(num_reqs, self.depth, -1).cpu() for t in self._top)
+        # Trees are built and kept on the host (the scheduler takes them as lists): one copy of the top-K,
+        # TP rank 0's on every rank (`rank_zero`), so every rank builds the same trees.
+        top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in self._top)
         roots = last_sampled[input_batch.idx_mapping].view(num_reqs).cpu()  # each request's last committed token
         trees = build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
         nodes = trees.token_ids[:, 1:]
