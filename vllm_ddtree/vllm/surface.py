@@ -299,7 +299,7 @@ _V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 _V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator"
 _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
-_SHARED_WITH_V2 = (f"{_CPU_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
+_SHARED_WITH_V2 = (f"{_CPU_ATTN}.", f"{_TRITON_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
                    "vllm.config.", "vllm.v1.outputs.DraftTokenIds")
 """Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
@@ -318,7 +318,8 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_V2_RUNNER, "take_draft_token_ids", "override", "hand: each tree's nodes as real token lists (vLLM's handler hands placeholders)", params=()),
     VLLMMember(_V2_DFLASH, "propose", "override", "DFlash's pass at the tree's depth over the context in path order; the trees' nodes in its own buffer", params=("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled", "...")),
     VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
-    VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "keeps the top-K draft log-probs of every position; returns rank 0", params=("hidden_states", "...")),
+    VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "writes the top-K draft log-probs of every position into persistent buffers (graph-safe); returns rank 0", params=("hidden_states", "...")),
+    VLLMMember(_V2_DFLASH, "_num_graph_context_tokens", "override", "a FULL draft graph stores a uniform verify step's whole context (1 + budget rows per request, D6)", params=("num_reqs",)),
     # ---- our objects in vLLM's places --------------------------------------------------------------------------------
     VLLMMember(_V2_RUNNER, "speculator", "replace", "DDTreeV2RunnerMixin.__init__ replaces vLLM's DFlashSpeculator with DDTreeSpeculator (vLLM 0.32: no speculator registry)", created_in="__init__"),
     VLLMMember("vllm.v1.worker.gpu.model_states.interface.ModelState", "prepare_attn", "replace",
@@ -338,6 +339,8 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     *_reads(_V2_RUNNER, "block_tables", "the block sizes of the KV cache groups", created_in="initialize_kv_cache"),
     *_reads(_V2_RUNNER, "sampler", "its per-request sampling states (vLLM's sampler draws only steps without drafts)", created_in="load_model"),
     *_reads(_V2_RUNNER, "vocab_size", "top_k at the vocabulary size is no filter"),
+    *_reads(_V2_RUNNER, "model_config", "the target's dtype (CPU) and whether it is an mm-prefix LM (CUDA: refused)"),
+    *_reads(_V2_SPECULATOR, "max_num_tokens", "the bound of the context rows a FULL draft graph stores"),
     *_reads("vllm.v1.worker.gpu.sample.sampler.Sampler", "sampling_states", "each request's sampling options (v2/options.py)"),
     *_reads("vllm.v1.worker.gpu.sample.states.SamplingStates", "temperature top_k top_p min_p seeds seeds_set",
             "each request's temperature, top_k, top_p, min_p and seed (and whether the user set it), by state slot"),
