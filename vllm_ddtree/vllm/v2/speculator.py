@@ -47,7 +47,12 @@ class DDTreeSpeculator(DFlashSpeculator):
     last_trees / draft_lists: the trees the last `propose` built and their nodes as lists (None / []
     for a step whose shape is off); chain_view: set by the runner, see the module docstring."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig) -> None:
+    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig | None = None) -> None:
+        """ddtree: the engine's settings (None: read from its config, as where vLLM 0.34 builds this class
+        from the registered `speculator_config.DDTreeSpeculatorConfig` with (vllm_config, device))."""
+        ddtree = ddtree or DDTreeConfig.from_vllm_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs additional_config['ddtree'] (set by method 'ddtree')")
         draft_model_config = vllm_config.speculative_config.draft_model_config
         max_depth = draft_max_depth(draft_model_config.hf_config)
         depth = min(ddtree.budget, max_depth)
