@@ -370,6 +370,9 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     *_reads(_V2_SPECULATOR, "draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
     *_reads(_V2_DFLASH, "draft_kv_cache_group_id", "the KV cache group target and draft share", created_in="set_attn"),
     *_reads(_GPU_WORKER, "use_v2_model_runner", "the CPU worker (a subclass) builds the V1 or the V2 layer; the GPU worker refuses V2 on the V1 path (0.34 has V2 only)", releases=("0.32.0", "0.33")),
+    VLLMMember(_GPU_WORKER, "_make_model_runner", "override", "builds DDTreeV2GPUModelRunner on runner path v2 (the GPU worker's runner factory)", params=()),
+    VLLMMember(_GPU_WORKER, "compile_or_warm_up_model", "override", "passed through on runner path v2 (the start-up timing is V1's)", params=()),
+    *_reads(_GPU_WORKER, "device", "the GPU worker builds our runner on its device", created_in="init_device"),
     # ---- vLLM 0.34: the speculator registry (D14) and what changed on the V2 path (F11) ---------------------------------
     REGISTER_SPECULATIVE_METHOD,
     COMPUTE_SAMPLE_LOGITS,
