@@ -494,13 +494,14 @@ def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:
     on_gpu = worker_cls == GPU_WORKER_CLS
     logger.info(
         "vllm_ddtree: method 'ddtree' (budget %d, topk cap %s) runs on vLLM's DFlash draft machinery; forced: "
-        "speculative method 'dflash' with num_speculative_tokens=%d and disable_eagle_block_drop=True (prefix-cache "
+        "speculative method %s with num_speculative_tokens=%d and disable_eagle_block_drop=True (prefix-cache "
         "hits keep their last block: the draft's context there is complete; vLLM warns about this option), "
         "async_scheduling=False, worker_cls=%s%s",
         ddtree.budget,
         ddtree.topk,
+        "'ddtree' (registered, on DFlash)" if available(REGISTER_SPECULATIVE_METHOD) else "'dflash'",
         ddtree.budget,
         worker_cls,
-        f", the {'V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, not yet verified on a GPU)' if active_runner_path() == 'v2' else 'V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)'}, "
+        f", the {'V2 model runner (not yet verified on a GPU)' if active_runner_path() == 'v2' else 'V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)'}, "
         f"attention backend {GPU_ATTENTION_BACKEND} for target and draft" if on_gpu else "",
     )
