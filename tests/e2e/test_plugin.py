@@ -57,8 +57,8 @@ def test_plain_and_dflash_unaffected_by_plugin(engine_runs, pair_dirs):
 @pytest.mark.parametrize(
     ("version", "message"),
     [
-        ("0.31.0", r"runs on vLLM 0\.32\.0, 0\.33\.x only, but vLLM 0\.31\.0"),
-        ("0.34.0", r"vLLM 0\.34 removed the V1 model runner that method ddtree runs on"),
+        ("0.31.0", r"runs on vLLM 0\.32\.0, 0\.33\.x, 0\.34\.x only, but vLLM 0\.31\.0"),
+        ("0.35.0", r"runs on vLLM 0\.32\.0, 0\.33\.x, 0\.34\.x only, but vLLM 0\.35\.0"),
     ],
 )
 def test_other_vllm_version_fails_at_start(monkeypatch, version, message):

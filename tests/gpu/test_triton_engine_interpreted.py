@@ -33,9 +33,10 @@ import torch  # noqa: E402
 from tests.e2e.conftest import prompts, run_engine  # noqa: E402 - also sets the in-process engine env
 from tests.e2e.pairs import build_pair  # noqa: E402
 from tests.gpu.triton_on_cpu import BACKEND, DDTreeTritonCPUModelRunner  # noqa: E402
-from vllm_ddtree.vllm import plugin, worker  # noqa: E402
+from vllm_ddtree.vllm import plugin  # noqa: E402
 from vllm_ddtree.vllm.tree_verify import TreeVerifyBuffers  # noqa: E402
 from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl  # noqa: E402
+from vllm_ddtree.vllm.v1 import cpu_runner  # noqa: E402
 
 PROMPT_LENGTHS = (7, 20, 45)  # 72 prompt tokens > 64 per step: the last prefill shares steps with verifies
 MAX_TOKENS = 16
@@ -59,7 +60,7 @@ def runs(tmp_path_factory):
     spec = {"method": "ddtree", "model": draft, "num_speculative_tokens": BUDGET, "ddtree_adaptive": False}
     with (
         mock.patch.object(plugin, "ATTENTION_BACKEND", BACKEND),
-        mock.patch.object(worker, "DDTreeCPUModelRunner", DDTreeTritonCPUModelRunner),
+        mock.patch.object(cpu_runner, "DDTreeCPUModelRunner", DDTreeTritonCPUModelRunner),
         mock.patch.object(torch.cuda, "get_device_capability", lambda *args: (9, 0)),
         mock.patch.object(TreeVerifyBuffers, "fill", recording_fill),
         mock.patch.object(DDTreeTritonAttentionImpl, "forward", side_effect=DDTreeTritonAttentionImpl.forward, autospec=True) as forward,

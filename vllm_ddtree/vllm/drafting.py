@@ -45,3 +45,13 @@ def draft_top_k(logits: torch.Tensor, candidates: int) -> tuple[torch.Tensor, to
         best = logits.max(dim=-1, keepdim=True)
         return torch.where(best.values.isfinite(), 0.0, float("-inf")), best.indices
     return logits.log_softmax(dim=-1).topk(min(candidates, logits.shape[-1]), dim=-1)
+
+
+def narrow_top_k(logprobs: torch.Tensor, token_ids: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `draft_top_k` gives for `candidates` from its result for a wider K ([rows, K], K >= candidates):
+    the first columns (top-K is sorted; equal log-probs may rank otherwise), and for the chain the log-prob
+    `draft_top_k` gives at K = 1: 0 where the maximum is finite, else -inf."""
+    if candidates == 1 and logprobs.shape[1] > 1:
+        first = logprobs[:, :1]
+        return torch.where(first.isfinite(), 0.0, float("-inf")), token_ids[:, :1]
+    return logprobs[:, :candidates], token_ids[:, :candidates]

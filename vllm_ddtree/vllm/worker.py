@@ -10,8 +10,6 @@ from typing import Any
 from typing_extensions import override
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_ddtree.vllm.v1.cpu_runner import DDTreeCPUModelRunner
-
 
 class DDTreeCPUWorker(CPUWorker):
     @override
@@ -25,6 +23,8 @@ class DDTreeCPUWorker(CPUWorker):
 
             self.model_runner = DDTreeV2CPUModelRunner(self.vllm_config, self.device)
             return
+        from vllm_ddtree.vllm.v1.cpu_runner import DDTreeCPUModelRunner  # here: only the V1 path imports V1 modules
+
         self.model_runner = DDTreeCPUModelRunner(self.vllm_config, self.device)
 
     @override

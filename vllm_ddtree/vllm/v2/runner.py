@@ -55,7 +55,7 @@ from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
 from vllm_ddtree.vllm.rank_zero import from_rank_zero
 from vllm_ddtree.vllm.sampling import sample_nodes
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
-from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
+from vllm_ddtree.vllm.surface import COMPUTE_SAMPLE_LOGITS, available, check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
@@ -92,13 +92,15 @@ class DDTreeV2RunnerMixin:
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
-        check_vllm_surface(release_surface("v2", supported_release(installed_vllm_version()) or ""))
+        check_vllm_surface(release_surface("v2", supported_release(installed_vllm_version()) or "", cpu=torch.device(device).type == "cpu"))
         ddtree = DDTreeConfig.from_vllm_config(vllm_config)
         if ddtree is None:
             raise ValueError("the DDTree model runner needs additional_config['ddtree'] (set by method 'ddtree')")
         if vllm_config.scheduler_config.async_scheduling:
             raise ValueError("method 'ddtree' on the V2 model runner needs synchronous scheduling (the host's starts are exact only then)")
-        self.speculator = DDTreeSpeculator(vllm_config, device, ddtree)
+        if not isinstance(self.speculator, DDTreeSpeculator):  # vLLM 0.34 builds ours from the registered config (D14)
+            self.speculator = DDTreeSpeculator(vllm_config, device, ddtree)
+        self._logits_from_model_state = available(COMPUTE_SAMPLE_LOGITS)  # how this release's `sample` takes logits (F11)
         self.speculator.chain_view = self._chain_view
         self.step: TreeStep | None = None
         self._step_batch: Any = None  # the InputBatch `step` was built for
@@ -255,7 +257,8 @@ class DDTreeV2RunnerMixin:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
         assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
-        logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
+        rows = hidden_states[input_batch.logits_indices]
+        logits = self.model_state.compute_sample_logits(rows) if self._logits_from_model_state else self.model.compute_logits(rows)
         params = self.options.sampling_params()
         processed = None  # the nodes' logits after history-dependent options: none carried on V2 yet
         if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call

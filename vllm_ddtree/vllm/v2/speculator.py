@@ -4,8 +4,10 @@ its per-position top-K turned into best-first trees (docs/v2_runner.md, D6-D8).
 vLLM's `DFlashSpeculator` is built from a copy of the engine config whose num_speculative_tokens is
 depth = min(budget, block_size - 1), so its block, buffers and input kernel have the draft's shape; the
 runner verifies up to `budget` nodes per request. `sample_draft` keeps the top-K log-probs of every
-mask position and returns the rank-0 tokens (DFlash's chain); after the pass the host builds the trees
-(`host_tree.build_draft_trees_on_host`, as V1). `propose` returns the trees' nodes in index order in
+mask position (K fixed at start, persistent buffers a FULL draft graph replays into) and returns the
+rank-0 tokens (DFlash's chain); after the pass the host builds the trees from the K columns the step's
+shape keeps (`host_tree.build_draft_trees_on_host`, as V1). `_num_graph_context_tokens` is raised to the
+verify width (D6). `propose` returns the trees' nodes in index order in
 this speculator's own [max_num_reqs, budget] buffer, which the runner copies into the verify rows'
 device drafts, and keeps the same nodes as host lists for the scheduler (`draft_lists`).
 
@@ -29,7 +31,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.core import DraftTree, TreeShape
 from vllm_ddtree.vllm.config import DDTreeConfig
-from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k
+from vllm_ddtree.vllm.drafting import budget_policy_for, candidates_for, draft_max_depth, draft_top_k, narrow_top_k
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.rank_zero import from_rank_zero, shape_from_rank_zero
 
@@ -49,13 +51,25 @@ class DDTreeSpeculator(DFlashSpeculator):
     last_trees / draft_lists: the trees the last `propose` built and their nodes as lists (None / []
     for a step whose shape is off); chain_view: set by the runner, see the module docstring."""
 
-    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig) -> None:
-        max_depth = draft_max_depth(vllm_config.speculative_config.draft_model_config.hf_config)
+    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig | None = None) -> None:
+        """ddtree: the engine's settings (None: read from its config, as where vLLM 0.34 builds this class
+        from the registered `speculator_config.DDTreeSpeculatorConfig` with (vllm_config, device))."""
+        ddtree = ddtree or DDTreeConfig.from_vllm_config(vllm_config)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs additional_config['ddtree'] (set by method 'ddtree')")
+        draft_model_config = vllm_config.speculative_config.draft_model_config
+        max_depth = draft_max_depth(draft_model_config.hf_config)
         depth = min(ddtree.budget, max_depth)
+        self.ddtree = ddtree  # before vLLM's __init__, which sizes buffers by `_num_graph_context_tokens`
         super().__init__(_at_depth(vllm_config, depth), device)
-        self.ddtree = ddtree
         self.depth = depth
         self.tree_draft_tokens = torch.zeros(self.max_num_reqs, ddtree.budget, dtype=torch.int64, device=device)
+        # The top-K of every mask position, K fixed at start (the widest any shape keeps), in persistent
+        # buffers: a FULL draft graph replays `sample_draft` into the same memory.
+        num_candidates = min(candidates_for(TreeShape(ddtree.budget, ddtree.topk), ddtree.topk), draft_model_config.get_vocab_size())
+        rows = self.max_num_reqs * depth
+        self.top_logprobs = torch.zeros(rows, num_candidates, dtype=torch.float32, device=device)
+        self.top_token_ids = torch.zeros(rows, num_candidates, dtype=torch.int64, device=device)
         self.budget_policy = budget_policy_for(ddtree, max_depth)
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self.last_trees: DraftTree | None = None
@@ -63,7 +77,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.chain_view: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._candidates = 1
         self._context_only = False
-        self._top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def choose_shape(self, num_requests: int, context_tokens: float) -> TreeShape:
         """This step's tree shape (`last_shape`): the budget policy's choice for a batch of `num_requests`
@@ -100,7 +113,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             aux_hidden_states = self.chain_view(aux_hidden_states)
         shape = self.last_shape
         self._candidates = candidates_for(shape, self.ddtree.topk)
-        self._top = None
         self._context_only = shape.is_off
         try:
             super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -110,10 +122,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_trees, self.draft_lists = None, [[] for _ in range(num_reqs)]
         if shape.is_off:
             return self.tree_draft_tokens[:num_reqs]
-        assert self._top is not None
         # Trees are built and kept on the host (the scheduler takes them as lists): one copy of the top-K,
         # TP rank 0's on every rank (`rank_zero`), so every rank builds the same trees.
-        top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in self._top)
+        rows = num_reqs * self.depth
+        top = narrow_top_k(self.top_logprobs[:rows], self.top_token_ids[:rows], self._candidates)
+        top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in top)
         roots = last_sampled[input_batch.idx_mapping].view(num_reqs).cpu()  # each request's last committed token
         trees = build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
         nodes = trees.token_ids[:, 1:]
@@ -124,15 +137,26 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     @override
     def _generate_draft(self, num_reqs: int, *args: Any, **kwargs: Any) -> None:
-        """DFlash's block pass, skipped in a context-only step: `propose` stores the context K/V before
-        it (eagerly on CPU; a FULL draft graph would replay the pass, which the CUDA layer must handle)."""
+        """DFlash's block pass, skipped in an eager context-only step: `propose` stores the context K/V
+        before it. A FULL draft graph replays the pass anyway; `propose` then ignores its top-K."""
         if not self._context_only:
             super()._generate_draft(num_reqs, *args, **kwargs)
 
     @override
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        """The context rows a FULL draft graph stores: a uniform verify step's whole context, num_reqs x
+        (1 + budget) rows (the verify width; vLLM's 1 + depth would store the rest eagerly before every
+        replay)."""
+        return min(num_reqs * (1 + self.ddtree.budget), self.max_num_tokens)
+
+    @override
     def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Keep the top-K draft log-probs of every mask position (rows request-major, depth-minor,
-        `drafting.draft_top_k`) and return each position's rank-0 token (DFlash's chain)."""
-        values, indices = draft_top_k(self.compute_draft_logits(hidden_states, 0), self._candidates)
-        self._top = (values, indices)
+        """Write the top-K draft log-probs and tokens of every mask position (rows request-major,
+        depth-minor, `drafting.draft_top_k` at the fixed K) into the persistent `top_logprobs` /
+        `top_token_ids`, and return each position's rank-0 token (DFlash's chain). Graph-safe: fixed
+        shapes, no host read."""
+        values, indices = draft_top_k(self.compute_draft_logits(hidden_states, 0), self.top_logprobs.shape[1])
+        rows = values.shape[0]
+        self.top_logprobs[:rows].copy_(values)
+        self.top_token_ids[:rows].copy_(indices)
         return indices[:, 0]
