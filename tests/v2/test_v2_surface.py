@@ -64,11 +64,6 @@ def test_a_release_without_the_v2_layer_keeps_its_own_path(monkeypatch):
 @pytest.mark.parametrize(
     ("options", "parameter"),
     [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"min_tokens": 4}, "min_tokens"),
-        ({"bad_words": ["x"]}, "bad_words"),
-        ({"logit_bias": {3: 1.0}}, "logit_bias"),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
         ({"logprobs": 2}, "logprobs"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ],
@@ -85,9 +80,11 @@ def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(o
 
 @pytest.mark.parametrize(
     "options",
-    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05}],
+    [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
+     {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.2, "repetition_penalty": 1.1, "min_tokens": 4,
+      "bad_words": ["x"], "logit_bias": {3: 1.0}, "allowed_token_ids": [1, 2, 3]}],
 )
-def test_greedy_and_sampled_requests_pass_on_v2(options):
+def test_greedy_sampled_and_history_option_requests_pass_on_v2(options):
     from vllm import SamplingParams
 
     check_request(SamplingParams(max_tokens=4, **options), v2=True)

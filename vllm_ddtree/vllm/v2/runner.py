@@ -10,7 +10,10 @@
 - attend (`model_state.prepare_attn`, wrapped on the instance): the tree rows onto the target's
   attention metadata (the platform's);
 - verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
-  the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
+  the request's temperature, top_k, top_p, min_p, its seed keying draws by position; a node's logits
+  first processed with its own history by the request's penalties, min_tokens, bad words, logit bias
+  and allowed ids, `node_logits`, the history being the host's copy of the committed output,
+  `output_mirror`, D11-D12, then its path), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
@@ -18,7 +21,9 @@
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
-except for a batch with a seeded request, which the core rule draws at every step (`v2/options.py`).
+except for a batch with a seeded request or an option processed at every node, which the core rule
+draws at every step (`v2/options.vllm_sampler_serves`): so every token of such a request reaches the
+output mirror on the host.
 Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
 synchronous (checked at start). What this layer does not carry yet is refused at start or admission
 (`support.REFUSALS`, "on the V2 model runner").
@@ -43,13 +48,15 @@ from vllm_ddtree.core import BudgetPolicy, SamplingRegimes, StepClock
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
-from vllm_ddtree.vllm.sampling import sample_nodes
+from vllm_ddtree.vllm.sampling import gather_node_logits, sample_nodes
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
+from vllm_ddtree.vllm.v2.output_mirror import OutputMirror
 from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
 logger = logging.getLogger("vllm.ddtree")
@@ -95,6 +102,7 @@ class DDTreeV2RunnerMixin:
         self._step_batch: Any = None  # the InputBatch `step` was built for
         self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
         self.options: RequestOptions | None = None  # this step's request options (`prepare_inputs`)
+        self.mirror = OutputMirror()  # each request's params, prompt and committed output (D12)
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self._context_tokens = 0.0
@@ -159,7 +167,10 @@ class DDTreeV2RunnerMixin:
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.step = self._step_batch = None
         self._step_shape = self.speculator.last_shape
-        self._proposals.drop(scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()))
+        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        self._proposals.drop(gone)
+        self.mirror.drop(gone)
+        self.mirror.note_new_requests(scheduler_output.scheduled_new_reqs)
         if self.clock is not None and scheduler_output.total_num_scheduled_tokens:
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             if scheduler_output.scheduled_new_reqs:
@@ -184,7 +195,8 @@ class DDTreeV2RunnerMixin:
         input_batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, num_active_loras)
         self.step = self._build_step(input_batch)
         self._step_batch = input_batch
-        self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, self.vocab_size, self.device)
+        requests = self.mirror.requests(input_batch.req_ids)
+        self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, requests, self.vocab_size, self.device)
         self._core_rule_draws = not vllm_sampler_serves(self.options)
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
@@ -241,12 +253,14 @@ class DDTreeV2RunnerMixin:
         assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
         params = self.options.sampling_params()
-        if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
+        if params.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax, read off in the walk's compiled call
             row_tokens = argmax_first(logits).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
         else:
+            rows = step.node_logit_rows().to(logits.device)
+            processed = process_node_logits(gather_node_logits(logits, rows), step.tree, self.options) if self.options.needs_node_processing else None
             positions = step.draw_positions().to(logits.device) if params.seeds else None  # only seeded draws are keyed
-            step.target_token_ids = sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params).cpu()
+            step.target_token_ids = sample_nodes(logits, rows, positions, params, processed).cpu()
             output = walk(step)
         if step.has_branching and (moves := kv_slot_moves(step)) is not None:
             self._move_kv_rows(*moves)
@@ -256,6 +270,7 @@ class DDTreeV2RunnerMixin:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping, self.req_states.prefill_len.gpu
         )
+        self.mirror.commit(input_batch.req_ids, output.numpy(), num_sampled.cpu().numpy())
         if self.clock is not None:
             self._clock_sampled(step, int(num_sampled.sum()))
         sampler_output = SamplerOutput(
