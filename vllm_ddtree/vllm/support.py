@@ -100,7 +100,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("a seed a torch generator cannot take (not an integer, or `seed + n - 1` outside `[-2**63, 2**64 - 1]`); "
             "it would stop any vLLM engine, and vLLM bounds seeds only in its server", "request", "a seed in that range"),
     Refusal("NaN `logit_bias` values", "request", "finite biases, or -inf / inf to ban / force a token"),
-    Refusal("on the V2 model runner: logprobs, prompt_logprobs, structured outputs", "request", _ON_V1),
+    Refusal("on the V2 model runner: logprobs, prompt_logprobs", "request", _ON_V1),
 )
 """Every refusal of method 'ddtree', start-time ones first (README, Troubleshooting, renders this list)."""
 
@@ -152,11 +152,10 @@ def unsupported_on_v2(params: Any) -> dict[str, str]:
     """Parameter -> what, for the options of a SamplingParams the V2 layer (`vllm/v2/`) does not carry
     yet: it serves greedy and sampled requests (temperature, top_k, top_p, min_p, seeds, n > 1) and the
     options processed at every tree node (penalties, min_tokens, bad words, logit bias, allowed token
-    ids), not what reports logprobs or follows a grammar."""
+    ids, structured outputs), not what reports logprobs."""
     checks = {
         "logprobs": ("logprobs", params.logprobs is not None),
         "prompt_logprobs": ("prompt_logprobs", params.prompt_logprobs is not None),
-        "structured_outputs": ("structured outputs", params.structured_outputs is not None),
     }
     return {parameter: what for parameter, (what, present) in checks.items() if present}
 

@@ -260,6 +260,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.config.structured_outputs.StructuredOutputsConfig", "backend reasoning_parser reasoning_parser_plugin enable_in_reasoning", "the backend of a request vLLM did not resolve; the reasoning parser whose end starts a grammar", created_in=None),
     *_reads("vllm.sampling_params.StructuredOutputsParams", "_backend", "the backend vLLM resolved for the request (the runner compiles its node grammars with it)", created_in=None),
     *_reads("vllm.sampling_params.SamplingParams", "structured_outputs all_stop_token_ids", "a structured request's grammar and its stop ids, as vLLM's manager compiles it", created_in=None),
+    *_reads("vllm.v1.core.sched.output.SchedulerOutput", "has_structured_output_requests", "a batch with a grammar is drawn by the core rule at every step (the runner masks it)", created_in=None),
     *_reads(_GPU_RUNNER, "requests", "each request's sampling params and committed output, which the node grammars catch up with"),
     *_reads("vllm.v1.worker.gpu_input_batch.CachedRequestState", "sampling_params output_token_ids", "a request's grammar params and committed output", created_in=None),
     *_reads("vllm.v1.core.sched.scheduler.Scheduler", "vllm_config", "the structured-output patches act on 'ddtree' engines only"),

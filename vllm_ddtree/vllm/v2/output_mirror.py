@@ -16,7 +16,7 @@ is ever committed past `commit`. The other requests keep no output (None): nothi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +30,8 @@ def has_penalties(params: Any) -> bool:
 
 def needs_history(params: Any) -> bool:
     """Whether a SamplingParams' options read the committed output: penalties (its token counts),
-    bad words (its last tokens), min_tokens (its length)."""
-    return bool(has_penalties(params) or params.bad_words_token_ids or params.min_tokens > 0)
+    bad words (its last tokens), min_tokens (its length), structured outputs (the grammar's state)."""
+    return bool(has_penalties(params) or params.bad_words_token_ids or params.min_tokens > 0 or params.structured_outputs is not None)
 
 
 @dataclass
@@ -41,6 +41,19 @@ class MirroredRequest:
     params: Any
     prompt: Sequence[int]
     output: list[int] | None
+
+    # what `node_grammar.NodeGrammars` reads of a request (V1 hands it vLLM's `CachedRequestState`)
+    @property
+    def sampling_params(self) -> Any:
+        return self.params
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:
+        return self.prompt
+
+    @property
+    def output_token_ids(self) -> list[int] | None:
+        return self.output
 
 
 class OutputMirror:
@@ -67,6 +80,11 @@ class OutputMirror:
     def requests(self, req_ids: Sequence[str]) -> list[MirroredRequest]:
         """The batch's requests, in batch order."""
         return [self._requests[req_id] for req_id in req_ids]
+
+    @property
+    def by_id(self) -> Mapping[str, MirroredRequest]:
+        """Every live request by id (read-only use)."""
+        return self._requests
 
     def commit(self, req_ids: Sequence[str], output_rows: np.ndarray, num_sampled: np.ndarray) -> None:
         """Append this step's committed tokens: output_rows [R, W] (the accepted path + bonus, -1 padded),

@@ -11,20 +11,20 @@
   attention metadata (the platform's);
 - verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
   the request's temperature, top_k, top_p, min_p, its seed keying draws by position; a node's logits
-  first processed with its own history by the request's penalties, min_tokens, bad words, logit bias
-  and allowed ids, `node_logits`, the history being the host's copy of the committed output,
-  `output_mirror`, D11-D12, then its path), the walk, K/V
+  first masked by its grammar state (`node_grammar`) and processed by the request's penalties,
+  min_tokens, bad words, logit bias and allowed ids (`node_logits`), both with the node's own history:
+  the host's copy of the committed output (`output_mirror`, D11-D12), then its path), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
-  accepted path first, D7);
+  accepted path first, D7; a structured request's tree built from grammar-admitted candidates,
+  `tree_filter`);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
-except for a batch with a seeded request or an option processed at every node, which the core rule
-draws at every step (`v2/options.vllm_sampler_serves`): so every token of such a request reaches the
-output mirror on the host.
-Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
+except for a batch with a seeded request, an option processed at every node or a grammar, which the
+core rule draws at every step (`v2/options.vllm_sampler_serves`): so every token of such a request
+reaches the output mirror on the host. Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
 synchronous (checked at start). What this layer does not carry yet is refused at start or admission
 (`support.REFUSALS`, "on the V2 model runner").
 """
@@ -48,6 +48,7 @@ from vllm_ddtree.core import BudgetPolicy, SamplingRegimes, StepClock
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
@@ -103,6 +104,9 @@ class DDTreeV2RunnerMixin:
         self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
         self.options: RequestOptions | None = None  # this step's request options (`prepare_inputs`)
         self.mirror = OutputMirror()  # each request's params, prompt and committed output (D12)
+        self.node_grammars = NodeGrammars(vllm_config)
+        self.speculator.tree_filter = self._grammar_filtered_trees
+        self._discarded = np.zeros(0, dtype=bool)  # the step's rows still prefilling (they commit nothing)
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self._context_tokens = 0.0
@@ -171,6 +175,8 @@ class DDTreeV2RunnerMixin:
         self._proposals.drop(gone)
         self.mirror.drop(gone)
         self.mirror.note_new_requests(scheduler_output.scheduled_new_reqs)
+        self.node_grammars.drop(scheduler_output.finished_req_ids)  # a preempted request's grammar waits for it
+        self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         if self.clock is not None and scheduler_output.total_num_scheduled_tokens:
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             if scheduler_output.scheduled_new_reqs:
@@ -197,7 +203,7 @@ class DDTreeV2RunnerMixin:
         self._step_batch = input_batch
         requests = self.mirror.requests(input_batch.req_ids)
         self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, requests, self.vocab_size, self.device)
-        self._core_rule_draws = not vllm_sampler_serves(self.options)
+        self._core_rule_draws = not vllm_sampler_serves(self.options, scheduler_output.has_structured_output_requests)
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
             policy.use(self.options.all_greedy)
@@ -250,8 +256,9 @@ class DDTreeV2RunnerMixin:
             if self.clock is not None and step is not None:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
-        assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
+        assert grammar_output is None and self.options is not None  # the scheduler sends no masks to 'ddtree' engines (`patches`)
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
+        self.node_grammars.mask_(logits, step, list(input_batch.req_ids), self.mirror.by_id)
         params = self.options.sampling_params()
         if params.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax, read off in the walk's compiled call
             row_tokens = argmax_first(logits).cpu()
@@ -270,13 +277,25 @@ class DDTreeV2RunnerMixin:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping, self.req_states.prefill_len.gpu
         )
-        self.mirror.commit(input_batch.req_ids, output.numpy(), num_sampled.cpu().numpy())
+        committed = num_sampled.cpu().numpy()
+        self._discarded = committed == 0
+        self.mirror.commit(input_batch.req_ids, output.numpy(), committed)
         if self.clock is not None:
             self._clock_sampled(step, int(num_sampled.sum()))
         sampler_output = SamplerOutput(
             sampled_token_ids=output.to(device), logprobs_tensors=None, num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected
         )
         return sampler_output, num_sampled, num_rejected
+
+    def _grammar_filtered_trees(self, trees: Any, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> Any:
+        """The speculator's new trees with the structured requests' rebuilt from grammar-admitted
+        candidates only, their grammars at the state after this step's output (`NodeGrammars.filtered_trees`;
+        a step vLLM's sampler drew has no structured request)."""
+        step = self.step
+        if step is None or step.acceptance is None or self._step_batch is None:
+            return trees
+        return self.node_grammars.filtered_trees(trees, top_logprobs, top_token_ids, budget, list(self._step_batch.req_ids),
+                                                 step.acceptance.output_token_ids, self._discarded, self.mirror.by_id)
 
     def _clock_sampled(self, step: TreeStep, committed: int) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
