@@ -9,9 +9,11 @@ Fed from two places only, both on the host:
 - each step whose tokens the core rule drew (`commit`): the first num_sampled tokens of every request's
   output row (accepted path + bonus).
 
-Invariant: a request's output is exact while it `needs_history` (its options read the output). Such a
-request is in every batch only the core rule draws (`v2/options.vllm_sampler_serves`), so no token of it
-is ever committed past `commit`. The other requests keep no output (None): nothing reads it.
+Invariant: the output of a request that `needs_history` (its options or grammar read it) is its
+committed output: every batch holding such a request is drawn by the core rule
+(`v2/options.vllm_sampler_serves`), so none of its tokens is committed past `commit`. (A step that
+ends a request, at a stop or max_tokens, may append tokens vLLM drops; the request is then finished
+and dropped.) The other requests keep no output (None): nothing reads it.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
 except for a batch with a seeded request, an option processed at every node or a grammar, which the
 core rule draws at every step (`v2/options.vllm_sampler_serves`): so every token of such a request
-reaches the output mirror on the host. Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
-synchronous (checked at start). What this layer does not carry yet is refused at start or admission
-(`support.REFUSALS`, "on the V2 model runner").
+reaches the output mirror on the host. Host starts come from vLLM's host mirror of the computed
+tokens, exact because scheduling is synchronous (checked at start). What this layer does not carry
+yet is refused at start or admission (`support.REFUSALS`, "on the V2 model runner").
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ class DDTreeV2RunnerMixin:
         logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
         self.node_grammars.mask_(logits, step, list(input_batch.req_ids), self.mirror.by_id)
         params = self.options.sampling_params()
-        if params.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax, read off in the walk's compiled call
+        if params.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax, read in the walk's compiled call
             row_tokens = argmax_first(logits).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
         else:
