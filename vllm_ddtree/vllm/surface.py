@@ -302,9 +302,10 @@ _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
 _SHARED_WITH_V2 = (f"{_CPU_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
-                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds")
+                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds", "vllm.v1.request.", "vllm.reasoning.")
 """Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
-attention layers' caches, the engine-core patches' and the scheduler's members."""
+attention layers' caches, the engine-core patches' and the scheduler's members, the node grammars'
+(structured outputs, under a reasoning parser too)."""
 
 SURFACE_V2: tuple[VLLMMember, ...] = (
     *(m for m in SURFACE if m.owner.startswith(_SHARED_WITH_V2)),
