@@ -34,6 +34,7 @@ INTERPRETED_MODULES = [
     "v2/test_v2_logprobs.py",
     "v2/test_v2_tp.py",
     "v2/test_v2_triton_layer.py",
+    "v2/test_v2_request_features.py",
 ]
 
 

@@ -1,8 +1,10 @@
 """The edges of a request's life under method 'ddtree' on vLLM's V2 model runner, greedy output equal
 to plain decoding: preemption (a KV cache far too small for the batch, so vLLM preempts requests
 mid-generation and recomputes them while trees are verified around them; the V2 layer stores each
-step's draft context at once, so no deferred context waits in blocks that change hands), and requests
-that run into max_model_len (the scheduler cuts the last trees to the room left).
+step's draft context at once, so no deferred context waits in blocks that change hands; every request
+has penalties, so a resumed request's node histories come from the output vLLM hands back with it,
+`v2/output_mirror.py`), and requests that run into max_model_len (the scheduler cuts the last trees to
+the room left).
 
 Runs only in a process started with TRITON_INTERPRET=1 (tests/test_interpreter_process.py starts one).
 """
@@ -24,8 +26,12 @@ SMALL_CACHE = {"kv_cache_memory_bytes": 3_000_000, "max_model_len": 256}  # abou
 
 @pytest.fixture(scope="module")
 def runs():
-    plain = run("v1", None, max_tokens=MAX_TOKENS, lengths=LENGTHS, **SMALL_CACHE)
-    trees = run("v2", ddtree(8), max_tokens=MAX_TOKENS, lengths=LENGTHS, **SMALL_CACHE)
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3 * (i % 2))
+              for i in range(len(LENGTHS))]
+    plain = run("v1", None, lengths=LENGTHS, params=params, **SMALL_CACHE)
+    trees = run("v2", ddtree(8), lengths=LENGTHS, params=params, **SMALL_CACHE)
     return plain, trees
 
 

@@ -16,7 +16,7 @@ import vllm_ddtree.vllm.v2
 from tests.compat.test_vllm_surface import _is_vllm, derived_overrides, unmarked_overrides
 from vllm_ddtree.vllm import patching
 from vllm_ddtree.vllm.surface import REGISTER_SPECULATIVE_METHOD, SURFACES, available, check_vllm_surface, installed_surface, release_surface
-from vllm_ddtree.vllm.support import UnsupportedRequestError, check_request
+from vllm_ddtree.vllm.support import check_request
 
 
 ONLY_WITH_THE_REGISTRY = "vllm_ddtree.vllm.v2.speculator_config"
@@ -70,34 +70,18 @@ def test_a_release_without_the_v2_layer_keeps_its_own_path(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("options", "parameter"),
-    [
-        ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"min_tokens": 4}, "min_tokens"),
-        ({"bad_words": ["x"]}, "bad_words"),
-        ({"logit_bias": {3: 1.0}}, "logit_bias"),
-        ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ],
-)
-def test_requests_the_v2_layer_does_not_carry_are_refused_with_the_alternative(options, parameter):
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=4, **{"temperature": 0.0, **options})
-    check_request(params)  # the V1 layer serves it
-    with pytest.raises(UnsupportedRequestError, match="on the V2 model runner yet; unset VLLM_USE_V2_MODEL_RUNNER") as error:
-        check_request(params, v2=True)
-    assert error.value.parameter == parameter
-
-
-@pytest.mark.parametrize(
     "options",
     [{"temperature": 0.0, "stop_token_ids": [5]}, {"temperature": 0.8, "seed": 3, "n": 2, "top_k": 5, "top_p": 0.9, "min_p": 0.05},
-     {"temperature": 0.0, "logprobs": 2, "prompt_logprobs": 1}, {"temperature": 0.8, "logprobs": -1, "logprob_token_ids": [3, 4]}],
+     {"temperature": 0.0, "logprobs": 2, "prompt_logprobs": 1}, {"temperature": 0.8, "logprobs": -1, "logprob_token_ids": [3, 4]},
+     {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.2, "repetition_penalty": 1.1, "min_tokens": 4,
+      "bad_words": ["x"], "logit_bias": {3: 1.0}, "allowed_token_ids": [1, 2, 3]}],
 )
-def test_greedy_and_sampled_requests_pass_on_v2(options):
+def test_every_request_option_passes_admission_whatever_the_runner(options):
+    """Admission is one check for both runner layers (`check_request`): the V2 layer carries every request
+    option the V1 layer does (each one's tokens are tested against V1's in tests/v2)."""
     from vllm import SamplingParams
 
-    check_request(SamplingParams(max_tokens=4, **options), v2=True)
+    check_request(SamplingParams(max_tokens=4, **options))
 
 
 def _v2_engine_config(tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_batch_sharded_sampling: bool = False) -> object:

@@ -54,7 +54,7 @@ def _validate_params(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _ADMITTING_FOR_DDTREE.reset(admitting)
         if ddtree:
-            check_request(params, v2=self.vllm_config.use_v2_model_runner)
+            check_request(params)
         return result
 
     return validate_params
@@ -296,9 +296,19 @@ def all_patches() -> list[Patch]:
             make=_validate_tokens,
             why="keep method 'ddtree' trees whole under structured outputs (a node list is not a chain)",
             remove_when="vLLM lets speculative methods validate their own drafts (RFC vllm#36219)",
-            # 0.34 renamed it `trim_spec_tokens`; its V2 path refuses structured outputs per request
-            # (`support.unsupported_on_v2`), so no tree meets it there yet.
             releases=("0.32.0", "0.33"),
+        ),
+        # Why: 0.34's name and contract for the same truncation (`trim_spec_tokens` keeps the validated
+        # chain prefix plus one token, after dropping -1 padding); a tree's node list passes unchanged,
+        # as above (the V2 layer hands the scheduler real node lists, never padding).
+        # Remove when: as above.
+        Patch(
+            owner=StructuredOutputManager,
+            name="trim_spec_tokens",
+            make=_validate_tokens,
+            why="keep method 'ddtree' trees whole under structured outputs (a node list is not a chain)",
+            remove_when="vLLM lets speculative methods validate their own drafts (RFC vllm#36219)",
+            releases=("0.34",),
         ),
     ]
 

@@ -104,8 +104,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("a seed a torch generator cannot take (not an integer, or `seed + n - 1` outside `[-2**63, 2**64 - 1]`); "
             "it would stop any vLLM engine, and vLLM bounds seeds only in its server", "request", "a seed in that range"),
     Refusal("NaN `logit_bias` values", "request", "finite biases, or -inf / inf to ban / force a token"),
-    Refusal("on the V2 model runner: penalties, min_tokens, bad_words, logit_bias, allowed_token_ids, "
-            "structured outputs", "request", _ON_V1),
 )
 """Every refusal of method 'ddtree', start-time ones first (README, Troubleshooting, renders this list)."""
 
@@ -153,25 +151,10 @@ def invalid_values(params: Any) -> dict[str, str]:
     return found
 
 
-def unsupported_on_v2(params: Any) -> dict[str, str]:
-    """Parameter -> what, for the options of a SamplingParams the V2 layer (`vllm/v2/`) does not carry
-    yet: it serves greedy and sampled requests (temperature, top_k, top_p, min_p, seeds, n > 1) whose
-    tokens depend on the logits alone, with logprobs and prompt_logprobs."""
-    checks = {
-        "presence_penalty": ("penalties", params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1),
-        "min_tokens": ("min_tokens", params.min_tokens > 0),
-        "bad_words": ("bad_words", bool(params.bad_words)),
-        "logit_bias": ("logit_bias", bool(params.logit_bias)),
-        "allowed_token_ids": ("allowed_token_ids", params.allowed_token_ids is not None),
-        "structured_outputs": ("structured outputs", params.structured_outputs is not None),
-    }
-    return {parameter: what for parameter, (what, present) in checks.items() if present}
-
-
-def check_request(params: Any, *, v2: bool = False) -> None:
+def check_request(params: Any) -> None:
     """Raise UnsupportedRequestError if a SamplingParams uses options method 'ddtree' does not support
-    (on the V2 model runner with v2=True: also `unsupported_on_v2`), or values no engine can serve
-    (`invalid_values`)."""
+    or values no engine can serve (`invalid_values`). The same on both runners: the V2 layer carries every
+    request option the V1 layer does."""
     invalid = invalid_values(params)
     if invalid:
         raise UnsupportedRequestError("; ".join(invalid.values()), parameter=next(iter(invalid)))
@@ -181,11 +164,4 @@ def check_request(params: Any, *, v2: bool = False) -> None:
             f"method 'ddtree' does not support {', '.join(found)}; "
             "use method 'dflash' or plain decoding for such requests",
             parameter=found[0],
-        )
-    on_v2 = unsupported_on_v2(params) if v2 else {}
-    if on_v2:
-        raise UnsupportedRequestError(
-            f"{', '.join(on_v2.values())} is not served by method 'ddtree' on the V2 model runner yet; "
-            f"{_ON_V1.replace('`', '')}",
-            parameter=next(iter(on_v2)),
         )

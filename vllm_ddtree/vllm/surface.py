@@ -275,6 +275,7 @@ SURFACE: tuple[VLLMMember, ...] = (
     *_reads("vllm.config.structured_outputs.StructuredOutputsConfig", "backend reasoning_parser reasoning_parser_plugin enable_in_reasoning", "the backend of a request vLLM did not resolve; the reasoning parser whose end starts a grammar", created_in=None),
     *_reads("vllm.sampling_params.StructuredOutputsParams", "_backend", "the backend vLLM resolved for the request (the runner compiles its node grammars with it)", created_in=None),
     *_reads("vllm.sampling_params.SamplingParams", "structured_outputs all_stop_token_ids", "a structured request's grammar and its stop ids, as vLLM's manager compiles it", created_in=None),
+    *_reads("vllm.v1.core.sched.output.SchedulerOutput", "has_structured_output_requests", "a batch with a grammar is drawn by the core rule at every step (the runner masks it)", created_in=None),
     *_reads(_GPU_RUNNER, "requests", "each request's sampling params and committed output, which the node grammars catch up with"),
     *_reads("vllm.v1.worker.gpu_input_batch.CachedRequestState", "sampling_params output_token_ids", "a request's grammar params and committed output", created_in=None),
     *_reads("vllm.v1.core.sched.scheduler.Scheduler", "vllm_config", "the structured-output patches act on 'ddtree' engines only"),
@@ -316,20 +317,22 @@ _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
 _SHARED_WITH_V2 = (f"{_CPU_ATTN}.", f"{_TRITON_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
-                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds", "vllm.distributed.parallel_state.GroupCoordinator")
-"""Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN tree backend, the CPU worker, the
-attention layers' caches, the engine-core patches' and the scheduler's members, the TP group's broadcast."""
+                   "vllm.config.", "vllm.v1.outputs.DraftTokenIds", "vllm.distributed.parallel_state.GroupCoordinator",
+                   "vllm.v1.request.", "vllm.reasoning.")
+"""Owners of `SURFACE` entries the V2 path relies on too: the CPU_ATTN and TRITON_ATTN tree backends, the CPU
+worker, the attention layers' caches, the engine-core patches' and the scheduler's members, the TP group's
+broadcast, the node grammars' (structured outputs, under a reasoning parser too)."""
 
 SURFACE_V2: tuple[VLLMMember, ...] = (
     *(m for m in SURFACE if m.owner.startswith(_SHARED_WITH_V2)),
     # ---- overrides: DDTreeV2RunnerMixin (v2/runner.py, v2/cpu_runner.py) over vLLM's V2 runner -----------------------
     VLLMMember(_V2_RUNNER, "load_model", "override", "checks the target's attention layers; wraps model_state.prepare_attn (attend)", params=("...",)),
     VLLMMember(_V2_RUNNER, "initialize_kv_cache", "override", "drops the views of the old caches (`_kv_rows`)", params=("...",)),
-    VLLMMember(_V2_RUNNER, "execute_model", "override", "drops finished and preempted requests' proposals; starts the budget policy's step clock", params=("scheduler_output", "...")),
+    VLLMMember(_V2_RUNNER, "execute_model", "override", "drops finished and preempted requests' proposals; the output mirror takes new requests; starts the budget policy's step clock", params=("scheduler_output", "...")),
     VLLMMember(_V2_RUNNER, "sample_tokens", "override", "keeps the proposed trees; ends the step clock", params=("...",)),
     VLLMMember(_V2_RUNNER, "prepare_inputs", "override", "build: the step's trees once vLLM laid out the rows; chooses the next shape", params=("scheduler_output", "batch_req_state", "batch_desc", "num_active_loras")),
     VLLMMember(_V2_RUNNER, "prepare_attn", "override", "position: depth - index added to the persistent positions after vLLM's slot mapping; the nodes' KV slots", params=("input_batch",)),
-    VLLMMember(_V2_RUNNER, "sample", "override", "verify: every node's token, the walk and K/V compaction; vLLM's own sampling for steps without drafts", params=("hidden_states", "input_batch", "grammar_output"), returns_tuple=3),
+    VLLMMember(_V2_RUNNER, "sample", "override", "verify: every node's token (history options per node), the walk and K/V compaction, the committed tokens into the output mirror; vLLM's own sampling for steps without drafts", params=("hidden_states", "input_batch", "grammar_output"), returns_tuple=3),
     VLLMMember(_V2_RUNNER, "take_draft_token_ids", "override", "hand: each tree's nodes as real token lists (vLLM's handler hands placeholders)", params=()),
     VLLMMember(_V2_DFLASH, "propose", "override", "DFlash's pass at the tree's depth over the context in path order; the trees' nodes in its own buffer", params=("input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states", "num_sampled", "num_rejected", "last_sampled", "...")),
     VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
@@ -371,6 +374,10 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
             "each request's temperature, top_k, top_p, min_p and seed (and whether the user set it), by state slot"),
     *_reads("vllm.v1.worker.gpu.buffer_utils.UvaBackedTensor", "np", "the host mirror of a sampling state"),
     *_reads("vllm.v1.worker.gpu.sample.output.SamplerOutput", "sampled_token_ids", "a step vLLM's sampler drew: TP rank 0's tokens on every rank", created_in=None),
+    *_reads("vllm.v1.core.sched.output.NewRequestData", "sampling_params prefill_token_ids prompt_len",
+            "the output mirror (D12): a new or resumed request's params, its prompt and the output it had", created_in=None),
+    *_reads("vllm.sampling_params.SamplingParams", "presence_penalty frequency_penalty repetition_penalty min_tokens bad_words_token_ids logit_bias allowed_token_ids",
+            "the options processed at every tree node, read from each request's params as V1's input batch reads them (v2/options.py)", created_in=None),
     *_reads(_V2_INPUT_BATCH, "idx_mapping_np", "each request's state slot, on the host", created_in=None),
     *_reads("vllm.v1.worker.gpu.input_batch.InputBuffers", "positions", "the persistent RoPE positions the forward reads (D1-D3)"),
     *_reads("vllm.v1.worker.gpu.states.RequestState", "prefill_len", "rows still prefilling sample nothing"),

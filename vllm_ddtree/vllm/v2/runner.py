@@ -10,12 +10,16 @@
 - attend (`model_state.prepare_attn`, wrapped on the instance): the tree rows onto the target's
   attention metadata (the platform's);
 - verify (`sample`): every node's token by the core's rule (greedy: each row's first argmax; sampled:
-  the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
+  the request's temperature, top_k, top_p, min_p, its seed keying draws by position; a node's logits
+  first masked by its grammar state (`node_grammar`) and processed by the request's penalties,
+  min_tokens, bad words, logit bias and allowed ids (`node_logits`), both with the node's own history:
+  the host's copy of the committed output (`output_mirror`, D11-D12), then its path), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5), with each
   emitted token's logprobs from its node's row in V2's layout (D13, `v2/logprobs.py`);
 - draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
-  accepted path first, D7);
+  accepted path first, D7; a structured request's tree built from grammar-admitted candidates,
+  `tree_filter`);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
 Tensor parallelism (D15): every rank builds its trees from TP rank 0's draft top-K and shape
@@ -23,12 +27,11 @@ Tensor parallelism (D15): every rank builds its trees from TP rank 0's draft top
 (trees, proposals, policy choice) and the tokens it commits agree; each rank moves its own K/V shard.
 
 Steps without drafts (prefills, steps the policy runs without speculation) are vLLM's own `sample`,
-except for a batch with a seeded request (`v2/options.py`) or one asking for logprobs, which the core
-rule draws at every step. Prompt logprobs are vLLM's, from the prompt rows of prefill chunks (never
-tree rows).
-Host starts come from vLLM's host mirror of the computed tokens, exact because scheduling is
-synchronous (checked at start). What this layer does not carry yet is refused at start or admission
-(`support.REFUSALS`, "on the V2 model runner").
+except for a batch with a seeded request, an option processed at every node, a grammar or logprobs,
+which the core rule draws at every step (`v2/options.vllm_sampler_serves`): so every token of such a
+request reaches the output mirror on the host, and what it reports never depends on the policy. Prompt
+logprobs are vLLM's, from the prompt rows of prefill chunks (never tree rows). Host starts come from
+vLLM's host mirror of the computed tokens, exact because scheduling is synchronous (checked at start).
 """
 
 from __future__ import annotations
@@ -50,15 +53,18 @@ from vllm_ddtree.core import BudgetPolicy, SamplingRegimes, StepClock
 from vllm_ddtree.core.sampling import argmax_first
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.config import DDTreeConfig
+from vllm_ddtree.vllm.node_grammar import NodeGrammars
+from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
 from vllm_ddtree.vllm.rank_zero import from_rank_zero
-from vllm_ddtree.vllm.sampling import sample_nodes
+from vllm_ddtree.vllm.sampling import gather_node_logits, sample_nodes
 from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
 from vllm_ddtree.vllm.surface import COMPUTE_SAMPLE_LOGITS, available, check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
+from vllm_ddtree.vllm.v2.output_mirror import OutputMirror
 from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
 logger = logging.getLogger("vllm.ddtree")
@@ -107,6 +113,10 @@ class DDTreeV2RunnerMixin:
         self._core_rule_draws = False  # this step's batch needs the core rule even without drafts
         self._logprobs_dims: tuple[int, int] | None = None  # this step's (top n, most logprob_token_ids), None: no logprobs
         self.options: RequestOptions | None = None  # this step's request options (`prepare_inputs`)
+        self.mirror = OutputMirror()  # each request's params, prompt and committed output (D12)
+        self.node_grammars = NodeGrammars(vllm_config)
+        self.speculator.tree_filter = self._grammar_filtered_trees
+        self._discarded = np.zeros(0, dtype=bool)  # the step's rows still prefilling (they commit nothing)
         self._proposals = Proposals()
         self.clock: StepClock | None = None
         self._context_tokens = 0.0
@@ -171,7 +181,12 @@ class DDTreeV2RunnerMixin:
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self.step = self._step_batch = None
         self._step_shape = self.speculator.last_shape
-        self._proposals.drop(scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set()))
+        gone = scheduler_output.finished_req_ids | (scheduler_output.preempted_req_ids or set())
+        self._proposals.drop(gone)
+        self.mirror.drop(gone)
+        self.mirror.note_new_requests(scheduler_output.scheduled_new_reqs)
+        self.node_grammars.drop(scheduler_output.finished_req_ids)  # a preempted request's grammar waits for it
+        self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
         if self.clock is not None and scheduler_output.total_num_scheduled_tokens:
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             if scheduler_output.scheduled_new_reqs:
@@ -196,10 +211,11 @@ class DDTreeV2RunnerMixin:
         input_batch = super().prepare_inputs(scheduler_output, batch_req_state, batch_desc, num_active_loras)
         self.step = self._build_step(input_batch)
         self._step_batch = input_batch
-        self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, self.vocab_size, self.device)
+        requests = self.mirror.requests(input_batch.req_ids)
+        self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, requests, self.vocab_size, self.device)
         self._logprobs_dims = self.sampler.get_logprobs_dims(input_batch.idx_mapping_np)
         # logprobs are served by one path, the core rule's, at every step (as on V1, `plain_sampler_serves`)
-        self._core_rule_draws = not vllm_sampler_serves(self.options) or self._logprobs_dims is not None
+        self._core_rule_draws = not vllm_sampler_serves(self.options, scheduler_output.has_structured_output_requests) or self._logprobs_dims is not None
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
             policy.use(self.options.all_greedy)
@@ -256,17 +272,20 @@ class DDTreeV2RunnerMixin:
             if self.clock is not None and step is not None:
                 self.clock.step_sampled(int(result[1].sum()), {self._step_shape: 0})
             return result
-        assert grammar_output is None and self.options is not None  # structured outputs are refused at admission on V2
-        rows = hidden_states[input_batch.logits_indices]
-        logits = self.model_state.compute_sample_logits(rows) if self._logits_from_model_state else self.model.compute_logits(rows)
+        assert grammar_output is None and self.options is not None  # the scheduler sends no masks to 'ddtree' engines (`patches`)
+        sampled_hidden = hidden_states[input_batch.logits_indices]
+        logits = self.model_state.compute_sample_logits(sampled_hidden) if self._logits_from_model_state else self.model.compute_logits(sampled_hidden)
+        self.node_grammars.mask_(logits, step, list(input_batch.req_ids), self.mirror.by_id)
         params = self.options.sampling_params()
-        processed = None  # the nodes' logits after history-dependent options: none carried on V2 yet
-        if params.all_greedy:  # every node's token: its row's argmax, read off in the walk's compiled call
+        processed = None  # the nodes' logits after history-dependent options, where any request has one
+        if params.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax, read in the walk's compiled call
             row_tokens = from_rank_zero(argmax_first(logits)).cpu()
             step.target_token_ids, step.acceptance, output = host_tree.accept_greedy_rows_on_host(step.tree, step.num_drafts, row_tokens)
         else:
+            rows = step.node_logit_rows().to(logits.device)
+            processed = process_node_logits(gather_node_logits(logits, rows), step.tree, self.options) if self.options.needs_node_processing else None
             positions = step.draw_positions().to(logits.device) if params.seeds else None  # only seeded draws are keyed
-            step.target_token_ids = from_rank_zero(sample_nodes(logits, step.node_logit_rows().to(logits.device), positions, params)).cpu()
+            step.target_token_ids = from_rank_zero(sample_nodes(logits, rows, positions, params, processed)).cpu()
             output = walk(step)
         logprobs = v2_emitted_logprobs(self.sampler, input_batch, self._logprobs_dims, self.options, logits, processed, step, output)
         if step.has_branching and (moves := kv_slot_moves(step)) is not None:
@@ -277,12 +296,25 @@ class DDTreeV2RunnerMixin:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping, self.req_states.prefill_len.gpu
         )
+        committed = num_sampled.cpu().numpy()
+        self._discarded = committed == 0
+        self.mirror.commit(input_batch.req_ids, output.numpy(), committed)
         if self.clock is not None:
             self._clock_sampled(step, int(num_sampled.sum()))
         sampler_output = SamplerOutput(
             sampled_token_ids=output.to(device), logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected
         )
         return sampler_output, num_sampled, num_rejected
+
+    def _grammar_filtered_trees(self, trees: Any, top_logprobs: torch.Tensor, top_token_ids: torch.Tensor, budget: int) -> Any:
+        """The speculator's new trees with the structured requests' rebuilt from grammar-admitted
+        candidates only, their grammars at the state after this step's output (`NodeGrammars.filtered_trees`;
+        a step vLLM's sampler drew has no structured request)."""
+        step = self.step
+        if step is None or step.acceptance is None or self._step_batch is None:
+            return trees
+        return self.node_grammars.filtered_trees(trees, top_logprobs, top_token_ids, budget, list(self._step_batch.req_ids),
+                                                 step.acceptance.output_token_ids, self._discarded, self.mirror.by_id)
 
     def _clock_sampled(self, step: TreeStep, committed: int) -> None:
         """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""

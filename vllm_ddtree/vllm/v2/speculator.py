@@ -49,7 +49,8 @@ class DDTreeSpeculator(DFlashSpeculator):
     """budget_policy: chooses each step's shape (None: every step a tree of `ddtree.budget` nodes);
     last_shape: the shape of this step's drafts (`choose_shape`, called by the runner first);
     last_trees / draft_lists: the trees the last `propose` built and their nodes as lists (None / []
-    for a step whose shape is off); chain_view: set by the runner, see the module docstring."""
+    for a step whose shape is off); chain_view, tree_filter: set by the runner, see the module
+    docstring and the attribute."""
 
     def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig | None = None) -> None:
         """ddtree: the engine's settings (None: read from its config, as where vLLM 0.34 builds this class
@@ -75,6 +76,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_trees: DraftTree | None = None
         self.draft_lists: list[list[int]] = []
         self.chain_view: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+        self.tree_filter: Callable[[DraftTree, torch.Tensor, torch.Tensor, int], DraftTree] | None = None
+        """Set by the runner: rebuilds some requests' trees from the same top-K (structured outputs: only
+        grammar-admitted candidates, `NodeGrammars.filtered_trees`)."""
         self._candidates = 1
         self._context_only = False
 
@@ -129,6 +133,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in top)
         roots = last_sampled[input_batch.idx_mapping].view(num_reqs).cpu()  # each request's last committed token
         trees = build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
+        if self.tree_filter is not None:
+            trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
         nodes = trees.token_ids[:, 1:]
         self.tree_draft_tokens[:num_reqs, : nodes.shape[1]].copy_(nodes, non_blocking=True)
         self.last_trees = trees
