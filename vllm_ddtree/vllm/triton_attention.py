@@ -141,3 +141,14 @@ class DDTreeTritonAttentionBackend(TritonAttentionBackend):
     @override
     def get_builder_cls() -> type[DDTreeTritonAttentionMetadataBuilder]:
         return DDTreeTritonAttentionMetadataBuilder
+
+
+def check_tree_target(layer: Any, is_mm_prefix_lm: bool) -> None:
+    """Raise unless the target layer runs our TRITON_ATTN subclass with tree support (both runner layers'
+    CUDA platform check). Also refuses mm-prefix LMs: a uniform verify batch is recomputed with causal and
+    tree masks only, which would drop a prefill chunk's bidirectional image ranges."""
+    if not isinstance(layer.impl, DDTreeTritonAttentionImpl):
+        raise NotImplementedError("method 'ddtree' needs vLLM's TRITON_ATTN attention backend for the target on CUDA")
+    if is_mm_prefix_lm:
+        raise NotImplementedError("method 'ddtree' does not support targets with bidirectional multimodal prefixes (mm-prefix LMs); use method 'dflash'")
+    layer.impl.check_tree_support()

@@ -20,7 +20,7 @@ from vllm_ddtree.vllm.kv_rows import move_slots
 from vllm_ddtree.vllm.v1.runner import DDTreeRunnerMixin
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.tree_verify import is_uniform
-from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeTritonAttentionMetadata
+from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionMetadata, check_tree_target
 
 
 class DDTreeGPUModelRunner(DDTreeRunnerMixin, GPUModelRunner):
@@ -47,10 +47,4 @@ class DDTreeGPUModelRunner(DDTreeRunnerMixin, GPUModelRunner):
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:
-        """Also refuses mm-prefix LMs: a uniform verify batch is recomputed with causal and tree masks
-        only, which would drop a prefill chunk's bidirectional image ranges."""
-        if not isinstance(layer.impl, DDTreeTritonAttentionImpl):
-            raise NotImplementedError("method 'ddtree' needs vLLM's TRITON_ATTN attention backend for the target on CUDA")
-        if self.is_mm_prefix_lm:
-            raise NotImplementedError("method 'ddtree' does not support targets with bidirectional multimodal prefixes (mm-prefix LMs); use method 'dflash'")
-        layer.impl.check_tree_support()
+        check_tree_target(layer, self.is_mm_prefix_lm)

@@ -22,7 +22,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm_ddtree.vllm.kv_rows import move_slots
 from vllm_ddtree.vllm.tree_step import TreeRows
 from vllm_ddtree.vllm.tree_verify import is_uniform
-from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionImpl, DDTreeTritonAttentionMetadata
+from vllm_ddtree.vllm.triton_attention import DDTreeTritonAttentionMetadata, check_tree_target
 from vllm_ddtree.vllm.v2.runner import DDTreeV2RunnerMixin
 
 
@@ -51,13 +51,7 @@ class DDTreeV2TritonMixin(DDTreeV2RunnerMixin):
 
     @override
     def _check_target_attention(self, layer: Attention) -> None:
-        """Also refuses mm-prefix LMs: a uniform verify batch is recomputed with causal and tree masks
-        only, which would drop a prefill chunk's bidirectional image ranges."""
-        if not isinstance(layer.impl, DDTreeTritonAttentionImpl):
-            raise NotImplementedError("method 'ddtree' needs vLLM's TRITON_ATTN attention backend for the target on CUDA")
-        if self.model_config.is_mm_prefix_lm:
-            raise NotImplementedError("method 'ddtree' does not support targets with bidirectional multimodal prefixes (mm-prefix LMs); use method 'dflash'")
-        layer.impl.check_tree_support()
+        check_tree_target(layer, self.model_config.is_mm_prefix_lm)
 
 
 class DDTreeV2GPUModelRunner(DDTreeV2TritonMixin, GPUModelRunner):
