@@ -31,6 +31,7 @@ INTERPRETED_MODULES = [
     "v2/test_v2_traps.py",
     "v2/test_v2_preemption.py",
     "v2/test_v2_sampling.py",
+    "v2/test_v2_dflash2.py",
 ]
 
 

@@ -13,7 +13,7 @@
   the request's temperature, top_k, top_p, min_p, its seed keying draws by position), the walk, K/V
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5);
-- draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
+- draft (`DDTreeDraft.propose`, after `chain_view` restores linear positions and puts each
   accepted path first, D7);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
 
@@ -50,7 +50,7 @@ from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first,
 from vllm_ddtree.vllm.surface import check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
-from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
+from vllm_ddtree.vllm.v2.dflash2 import speculator_class
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -89,7 +89,7 @@ class DDTreeV2RunnerMixin:
             raise ValueError("the DDTree model runner needs additional_config['ddtree'] (set by method 'ddtree')")
         if vllm_config.scheduler_config.async_scheduling:
             raise ValueError("method 'ddtree' on the V2 model runner needs synchronous scheduling (the host's starts are exact only then)")
-        self.speculator = DDTreeSpeculator(vllm_config, device, ddtree)
+        self.speculator = speculator_class(vllm_config)(vllm_config, device, ddtree)
         self.speculator.chain_view = self._chain_view
         self.step: TreeStep | None = None
         self._step_batch: Any = None  # the InputBatch `step` was built for

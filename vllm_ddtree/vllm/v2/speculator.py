@@ -1,5 +1,7 @@
 """The draft of method 'ddtree' on vLLM's V2 model runner: DFlash's V2 speculator at the tree's depth,
-its per-position top-K turned into best-first trees (docs/v2_runner.md, D6-D8).
+its per-position top-K turned into best-first trees (docs/v2_runner.md, D6-D8). `DDTreeDraft` is the
+tree step over any speculator of DFlash's family; `DDTreeSpeculator` the one over `DFlashSpeculator`
+(DFlash2's: `v2/dflash2.py`).
 
 vLLM's `DFlashSpeculator` is built from a copy of the engine config whose num_speculative_tokens is
 depth = min(budget, block_size - 1), so its block, buffers and input kernel have the draft's shape; the
@@ -39,8 +41,11 @@ def _at_depth(vllm_config: Any, depth: int) -> Any:
     return config
 
 
-class DDTreeSpeculator(DFlashSpeculator):
-    """budget_policy: chooses each step's shape (None: every step a tree of `ddtree.budget` nodes);
+class DDTreeDraft:
+    """The tree step over a speculator of DFlash's family (the next class in the MRO), which keeps the
+    step's candidates for `_build_trees`.
+
+    budget_policy: chooses each step's shape (None: every step a tree of `ddtree.budget` nodes);
     last_shape: the shape of this step's drafts (`choose_shape`, called by the runner first);
     last_trees / draft_lists: the trees the last `propose` built and their nodes as lists (None / []
     for a step whose shape is off); chain_view: set by the runner, see the module docstring."""
@@ -59,7 +64,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.chain_view: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self._candidates = 1
         self._context_only = False
-        self._top: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def choose_shape(self, num_requests: int, context_tokens: float) -> TreeShape:
         """This step's tree shape (`last_shape`): the budget policy's choice for a batch of `num_requests`
@@ -95,7 +99,6 @@ class DDTreeSpeculator(DFlashSpeculator):
             aux_hidden_states = self.chain_view(aux_hidden_states)
         shape = self.last_shape
         self._candidates = candidates_for(shape, self.ddtree.topk)
-        self._top = None
         self._context_only = shape.is_off
         try:
             super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
@@ -105,11 +108,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_trees, self.draft_lists = None, [[] for _ in range(num_reqs)]
         if shape.is_off:
             return self.tree_draft_tokens[:num_reqs]
-        assert self._top is not None
-        # Trees are built and kept on the host (the scheduler takes them as lists): one copy of the top-K.
-        top_logprobs, top_token_ids = (t.view(num_reqs, self.depth, -1).cpu() for t in self._top)
         roots = last_sampled[input_batch.idx_mapping].view(num_reqs).cpu()  # each request's last committed token
-        trees = build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
+        trees = self._build_trees(roots, shape.budget)
         nodes = trees.token_ids[:, 1:]
         self.tree_draft_tokens[:num_reqs, : nodes.shape[1]].copy_(nodes, non_blocking=True)
         self.last_trees = trees
@@ -122,6 +122,26 @@ class DDTreeSpeculator(DFlashSpeculator):
         it (eagerly on CPU; a FULL draft graph would replay the pass, which the CUDA layer must handle)."""
         if not self._context_only:
             super()._generate_draft(num_reqs, *args, **kwargs)
+
+    def _build_trees(self, roots: torch.Tensor, budget: int) -> DraftTree:
+        """The step's trees [num_reqs, budget + 1] on the host (the scheduler takes them as lists), chain
+        tokens kept, from the candidates the block pass just kept (at most `_candidates` per depth);
+        roots [num_reqs] host. Drops those candidates."""
+        raise NotImplementedError
+
+
+class DDTreeSpeculator(DDTreeDraft, DFlashSpeculator):
+    """DDTree over DFlash: each mask position's top-K of the draft's logits, trees by the per-position
+    marginals (`host_tree.build_draft_trees_on_host`)."""
+
+    _top: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @override
+    def _build_trees(self, roots: torch.Tensor, budget: int) -> DraftTree:
+        assert self._top is not None
+        top_logprobs, top_token_ids = (t.view(roots.shape[0], self.depth, -1).cpu() for t in self._top)  # one copy
+        self._top = None
+        return build_draft_trees_on_host(roots, top_logprobs, top_token_ids, budget, with_chain=True)
 
     @override
     def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

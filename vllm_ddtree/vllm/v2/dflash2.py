@@ -1,0 +1,84 @@
+"""The draft of method 'ddtree' over a DFlash2 draft on vLLM's V2 model runner: `DFlash2Speculator`
+(its local convolutions and candidate selector) at the tree's depth, its candidates turned into
+best-first trees by the tree step DFlash's shares (`speculator.DDTreeDraft`).
+
+DFlash2's block pass gives every mask position K = selector_top_k candidate tokens (the draft head's
+top-K, best first) and the selector's scores of each candidate after each candidate of the previous
+position (the anchor, the last committed token, before the first): [R, L, K, K]. vLLM walks them into
+one chain (`CandidateSampler`); here they become a tree under `ddtree.scoring` instead, and the walk does
+not run (`TreeCandidates`):
+- "selector": a node's score is its path's log-probability under the selector's transitions,
+  log_softmax over the K successors of each row (`core.transition_tree`); its rank-0 path is vLLM's
+  greedy walk;
+- "marginal": as DFlash, a node's score is the sum of its tokens' per-position log-probabilities under
+  the draft head (a log_softmax over the vocabulary, read at the candidates).
+Either way each node keeps at most `_candidates` children (the step's shape and `ddtree_topk`), and
+never more than K. The verify rule does not read the scores: any tree is exact.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from typing_extensions import override
+from vllm.v1.worker.gpu.spec_decode.dflash2.speculator import CandidateSampler, DFlash2Speculator
+
+from vllm_ddtree.core import DraftTree
+from vllm_ddtree.core.transition_tree import build_transition_trees
+from vllm_ddtree.vllm.config import DFLASH2_ARCHITECTURE, DFLASH2_DEFAULT_SCORING, SELECTOR_SCORING, DDTreeConfig
+from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
+from vllm_ddtree.vllm.v2.speculator import DDTreeDraft, DDTreeSpeculator
+
+
+class TreeCandidates(CandidateSampler):
+    """DFlash2's candidate sampler without its walk: the trees replace the chain it would draw (into
+    draft tokens nobody reads here; the verify rule never reads draft probabilities either)."""
+
+    @override
+    def sample(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing: `DDTreeDFlash2Speculator._score_candidates` kept the candidates for the trees."""
+
+
+class DDTreeDFlash2Speculator(DDTreeDraft, DFlash2Speculator):
+    """scoring: SELECTOR_SCORING or MARGINAL_SCORING (`ddtree.scoring`, else DFLASH2_DEFAULT_SCORING);
+    _kept: the last block pass's (candidate ids [R, L, K], scores: transition log-probs [R, L, K, K]
+    under selector scoring, else per-position log-probs [R, L, K]), device tensors, until `_build_trees`."""
+
+    _kept: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig) -> None:
+        super().__init__(vllm_config, device, ddtree)
+        self.scoring = ddtree.scoring or DFLASH2_DEFAULT_SCORING
+        self.candidate_sampler = TreeCandidates(self.max_num_reqs, self.num_speculative_steps, self.top_k, device)
+
+    @override
+    def _score_candidates(self, candidate_ids: torch.Tensor, unary_logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's selector scores (its walk reads them), and the tree's scores of the same candidates kept.
+        hidden_states [R, L, hidden]: the mask positions' outputs."""
+        scores = super()._score_candidates(candidate_ids, unary_logits, hidden_states)
+        if self.scoring == SELECTOR_SCORING:
+            self._kept = (candidate_ids, scores.float().log_softmax(-1))
+        else:
+            logits = self.model.candidate_logits_processor(self.model.lm_head, hidden_states.flatten(0, 1))
+            logprobs = logits.float().log_softmax(-1).gather(1, candidate_ids.flatten(0, 1))
+            self._kept = (candidate_ids, logprobs.view_as(unary_logits))
+        return scores
+
+    @override
+    def _build_trees(self, roots: torch.Tensor, budget: int) -> DraftTree:
+        assert self._kept is not None
+        candidate_ids, scores = (t.cpu() for t in self._kept)
+        self._kept = None
+        topk = min(self._candidates, self.top_k)
+        if scores.dim() == 4:
+            return build_transition_trees(roots, candidate_ids, scores, budget, topk, with_chain=True)
+        # The head's top-K comes best first; its log-probs are a monotone image of the ranked values.
+        return build_draft_trees_on_host(roots, scores[..., :topk].contiguous(), candidate_ids[..., :topk].contiguous(), budget, with_chain=True)
+
+
+def speculator_class(vllm_config: Any) -> type[DDTreeDraft]:
+    """The tree step over the speculator vLLM's V2 runner chooses for the engine's draft
+    (`spec_decode.init_speculator`: DFlash2's by the draft's architecture, else DFlash's)."""
+    architectures = vllm_config.speculative_config.draft_model_config.architectures or []
+    return DDTreeDFlash2Speculator if DFLASH2_ARCHITECTURE in architectures else DDTreeSpeculator
