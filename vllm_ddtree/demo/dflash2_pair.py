@@ -126,7 +126,7 @@ def train_selector(prompts: list[list[int]], continuation: int = 48, top_k: int 
     (teacher-forced: the rate of depths whose true token the greedy step picks after the previous true
     token, by the head's logits vs by the selector)."""
     data = _selector_data(prompts, continuation, top_k)
-    weights = _fit(data, top_k, rank, steps, seed, weight_decay)
+    weights = _fit(data, rank, steps, seed, weight_decay)
     return weights, {"train_ce_before": _selector_ce(data, None), "train_ce_after": _selector_ce(data, weights), **chain_accuracy(data, weights)}
 
 
@@ -168,9 +168,11 @@ def chain_accuracy(data: dict[str, torch.Tensor], weights: dict[str, torch.Tenso
     }
 
 
-def _fit(data: dict[str, torch.Tensor], top_k: int, rank: int, steps: int, seed: int, weight_decay: float) -> dict[str, torch.Tensor]:
-    hidden, candidates, unary, anchors = (data[key] for key in ("hidden", "candidates", "unary", "anchors"))
-    vocab, width = 4097, hidden.shape[-1]
+def _fit(data: dict[str, torch.Tensor], rank: int, steps: int, seed: int, weight_decay: float) -> dict[str, torch.Tensor]:
+    """The selector's weights after `steps` Adam steps on `_selector_data` (see `train_selector`)."""
+    with open(os.path.join(demo_pair_paths()[1], "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    unary, width = data["unary"], data["hidden"].shape[-1]
     gen = torch.Generator().manual_seed(seed)
     selector = {
         SELECTOR_KEYS[0]: (0.1 * torch.randn(vocab, rank, generator=gen)).requires_grad_(),
