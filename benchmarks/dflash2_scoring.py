@@ -19,6 +19,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: vLLM's V2 CPU runner needs Triton
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engines in this process, where the Triton stand-in is registered
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
