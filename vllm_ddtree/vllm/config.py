@@ -87,7 +87,7 @@ MARGINAL_SCORING, SELECTOR_SCORING = "marginal", "selector"
 DFLASH2_DEFAULT_SCORING = MARGINAL_SCORING
 """What a DFlash2 draft's trees are scored by unless `ddtree_scoring` says otherwise: the marginals, by
 measurement (`benchmarks/dflash2_scoring.py` on the embedded draft with a trained selector, 8 held-out
-prompts: 3.00 vs 2.73 tokens per verify step at budget 8, 3.28 vs 3.25 at 16; docs/v2_runner.md)."""
+prompts: 3.00 vs 2.81 tokens per verify step at budget 8, 3.28 vs 3.30 at 16; docs/v2_runner.md)."""
 _USE_A_MATCHING_DRAFT = "point 'model' at the DFlash draft trained for this target"
 
 

@@ -363,10 +363,10 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_V2_DFLASH2, "candidate_sampler", "replace", "TreeCandidates: DFlash2's sampler without the chain walk", created_in="__init__"),
     *_reads(_V2_DFLASH2, "top_k", "DFlash2's candidates per position (selector_top_k): a node's children are at most these"),
     *_reads(_V2_SPECULATOR, "num_speculative_steps", "the size of TreeCandidates' buffers, as vLLM's"),
-    *_reads(_V2_SPECULATOR, "model", "the DFlash2 draft's candidate head (marginal scoring)", created_in="load_model"),
+    *_reads(_V2_SPECULATOR, "model", "the DFlash2 draft's candidate head (the candidates' log-probs)", created_in="load_model"),
     *_reads("vllm.model_executor.models.qwen3_dflash2.DFlash2Qwen3ForCausalLM", "candidate_logits_processor",
-            "marginal scoring: the candidates' log-probs over the vocabulary, under the candidates' own logits processor"),
-    *_reads("vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM", "lm_head", "marginal scoring: the draft head's logits"),
+            "the candidates' log-probs over the vocabulary (their mass, and the marginals), under the candidates' own logits processor"),
+    *_reads("vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM", "lm_head", "the draft head's logits over the vocabulary"),
     *_reads(_GPU_WORKER, "use_v2_model_runner", "the CPU worker (a subclass) builds the V1 or the V2 layer"),
 )
 """The V2 path's entries (docs/v2_runner.md, 2.4): owner vLLM's V2 runner modules unless named."""

@@ -7,11 +7,14 @@ top-K, best first) and the selector's scores of each candidate after each candid
 position (the anchor, the last committed token, before the first): [R, L, K, K]. vLLM walks them into
 one chain (`CandidateSampler`); here they become a tree under `ddtree.scoring` instead, and the walk does
 not run (`TreeCandidates`):
-- "selector": a node's score is its path's log-probability under the selector's transitions,
-  log_softmax over the K successors of each row (`core.transition_tree`); its rank-0 path is vLLM's
-  greedy walk;
 - "marginal": as DFlash, a node's score is the sum of its tokens' per-position log-probabilities under
-  the draft head (a log_softmax over the vocabulary, read at the candidates).
+  the draft head (a log_softmax over the vocabulary, read at the candidates);
+- "selector": a node's score is its path's log-probability under the selector's transitions
+  (`core.transition_tree`): at each position, the head's probability that the token is among the K
+  candidates times the selector's distribution over them given the previous candidate (a softmax over
+  each row's K scores). Its rank-0 path is vLLM's greedy walk; a selector that adds nothing to the
+  head's logits gives the marginals (softmax over K of the head's logits times their mass is the head's
+  probability).
 Either way each node keeps at most `_candidates` children (the step's shape and `ddtree_topk`), and
 never more than K. The verify rule does not read the scores: any tree is exact.
 """
@@ -57,12 +60,12 @@ class DDTreeDFlash2Speculator(DDTreeDraft, DFlash2Speculator):
         """vLLM's selector scores (its walk reads them), and the tree's scores of the same candidates kept.
         hidden_states [R, L, hidden]: the mask positions' outputs."""
         scores = super()._score_candidates(candidate_ids, unary_logits, hidden_states)
-        if self.scoring == SELECTOR_SCORING:
-            self._kept = (candidate_ids, scores.float().log_softmax(-1))
+        logits = self.model.candidate_logits_processor(self.model.lm_head, hidden_states.flatten(0, 1))
+        logprobs = logits.float().log_softmax(-1).gather(1, candidate_ids.flatten(0, 1)).view_as(unary_logits)
+        if self.scoring == SELECTOR_SCORING:  # log(mass of the K candidates) + log_softmax over them
+            self._kept = (candidate_ids, scores.float().log_softmax(-1) + logprobs.logsumexp(-1)[:, :, None, None])
         else:
-            logits = self.model.candidate_logits_processor(self.model.lm_head, hidden_states.flatten(0, 1))
-            logprobs = logits.float().log_softmax(-1).gather(1, candidate_ids.flatten(0, 1))
-            self._kept = (candidate_ids, logprobs.view_as(unary_logits))
+            self._kept = (candidate_ids, logprobs)
         return scores
 
     @override
