@@ -57,8 +57,8 @@ class DDTreeDFlash2Speculator(DDTreeDraft, DFlash2Speculator):
 
     @override
     def _score_candidates(self, candidate_ids: torch.Tensor, unary_logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """vLLM's selector scores (its walk reads them), and the tree's scores of the same candidates kept.
-        hidden_states [R, L, hidden]: the mask positions' outputs."""
+        """vLLM's selector scores [R, L, K, K], returned as its block pass expects, with the trees' scores
+        of the same candidates kept (`_kept`). hidden_states [R, L, hidden]: the mask positions' outputs."""
         scores = super()._score_candidates(candidate_ids, unary_logits, hidden_states)
         logits = self.model.candidate_logits_processor(self.model.lm_head, hidden_states.flatten(0, 1))
         logprobs = logits.float().log_softmax(-1).gather(1, candidate_ids.flatten(0, 1)).view_as(unary_logits)
