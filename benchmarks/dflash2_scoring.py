@@ -60,9 +60,9 @@ def _run(target: str, spec: dict | None, prompts: list[list[int]], max_tokens: i
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", default=os.path.expanduser("~/.cache/vllm_ddtree/dflash2_trained"), help="the trained DFlash2 draft (made when missing)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16])
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -84,10 +84,11 @@ DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 """DFlash2 drafts: vLLM 0.32 runs their candidate selector on its V2 model runner only."""
 MARGINAL_SCORING, SELECTOR_SCORING = "marginal", "selector"
-DFLASH2_DEFAULT_SCORING = MARGINAL_SCORING
-"""What a DFlash2 draft's trees are scored by unless `ddtree_scoring` says otherwise: the marginals, by
-measurement (`benchmarks/dflash2_scoring.py` on the embedded draft with a trained selector, 8 held-out
-prompts: 3.00 vs 2.81 tokens per verify step at budget 8, 3.28 vs 3.30 at 16; docs/v2_runner.md)."""
+DFLASH2_DEFAULT_SCORING = SELECTOR_SCORING
+"""What a DFlash2 draft's trees are scored by unless `ddtree_scoring` says otherwise: the selector, by
+measurement (`benchmarks/dflash2_scoring.py`, the embedded draft with a trained selector, 16 held-out
+prompts: 3.18 / 3.47 / 3.69 tokens per verify step at budgets 8 / 16 / 32 against the marginals'
+3.16 / 3.43 / 3.64; an overfit selector measured below the marginals at budget 8: docs/v2_runner.md)."""
 _USE_A_MATCHING_DRAFT = "point 'model' at the DFlash draft trained for this target"
 
 
