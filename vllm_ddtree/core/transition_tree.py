@@ -59,35 +59,11 @@ def build_transition_trees(
     child_scores = fixed.gather(-1, order)
     roots = root_token_ids.view(-1).tolist()
     tokens_all, orders_all, scores_all = candidate_ids.cpu().tolist(), order.tolist(), child_scores.tolist()
+    trees = [_one_tree(root, tokens_all[r], orders_all[r], scores_all[r], budget, width) for r, root in enumerate(roots)]
     columns = budget + 1
-    fields = [[[root] * columns for root in roots], [[-1] * columns for _ in roots], [[0] * columns for _ in roots], [[0] * columns for _ in roots]]
-    num_nodes = []
-    for r in range(num_req):
-        tokens, orders, scores = tokens_all[r], orders_all[r], scores_all[r]
-        token_ids, parents, depths, ranks = (field[r] for field in fields)
-        candidate_of, path_score = [0], [0]  # per built node: its candidate index, its score
-        heap: list[tuple[int, int, int, int]] = []  # (-score, depth, parent, rank)
-
-        def push(parent: int, depth: int, rank: int) -> None:
-            if depth <= max_depth and rank < width and budget > 0:
-                term = scores[depth - 1][candidate_of[parent] if depth > 1 else 0][rank]
-                if term != NEG_INF:
-                    heapq.heappush(heap, (-(path_score[parent] + term), depth, parent, rank))
-
-        push(0, 1, 0)
-        built = 1
-        while heap and built < columns:
-            negative, depth, parent, rank = heapq.heappop(heap)
-            row = candidate_of[parent] if depth > 1 else 0
-            candidate = orders[depth - 1][row][rank]
-            token_ids[built], parents[built], depths[built], ranks[built] = tokens[depth - 1][candidate], parent, depth, rank
-            candidate_of.append(candidate)
-            path_score.append(-negative)
-            push(parent, depth, rank + 1)
-            push(built, depth + 1, 0)
-            built += 1
-        num_nodes.append(built)
-    table = torch.tensor(fields, dtype=torch.long)
+    num_nodes = [len(tree[0]) for tree in trees]
+    padded = [[field + [pad] * (columns - len(field)) for field, pad in zip(tree, (root, -1, 0, 0))] for tree, root in zip(trees, roots)]
+    table = torch.tensor(padded, dtype=torch.long).view(num_req, 4, columns).transpose(0, 1)  # one conversion
     counts = torch.tensor(num_nodes, dtype=torch.long)
     return DraftTree(
         token_ids=table[0],
@@ -99,6 +75,38 @@ def build_transition_trees(
         max_depth=max_depth,
         chain_token_ids=_chain_walk(candidate_ids.cpu(), order[..., 0], child_scores[..., 0]) if with_chain else None,
     )
+
+
+def _one_tree(root: int, tokens: list, orders: list, scores: list, budget: int, width: int) -> tuple[list[int], ...]:
+    """One request's nodes in key order (the module's rule): (token ids, parents, depths, ranks), root
+    first. tokens [L][K]; orders / scores [L][K][width]: each row's children (candidate indices) in key
+    order and their fixed-point log-probs."""
+    max_depth = len(tokens)
+    token_ids, parents, depths, ranks = [root], [-1], [0], [0]
+    candidate_of, path_score = [0], [0]  # per built node: its candidate index, its score
+    heap: list[tuple[int, int, int, int]] = []  # (-score, depth, parent, rank)
+
+    def push(parent: int, depth: int, rank: int) -> None:
+        if depth <= max_depth and rank < width:
+            term = scores[depth - 1][candidate_of[parent] if depth > 1 else 0][rank]
+            if term != NEG_INF:
+                heapq.heappush(heap, (-(path_score[parent] + term), depth, parent, rank))
+
+    if budget > 0:
+        push(0, 1, 0)
+    while heap and len(token_ids) <= budget:
+        negative, depth, parent, rank = heapq.heappop(heap)
+        candidate = orders[depth - 1][candidate_of[parent] if depth > 1 else 0][rank]
+        node = len(token_ids)
+        token_ids.append(tokens[depth - 1][candidate])
+        parents.append(parent)
+        depths.append(depth)
+        ranks.append(rank)
+        candidate_of.append(candidate)
+        path_score.append(-negative)
+        push(parent, depth, rank + 1)
+        push(node, depth + 1, 0)
+    return token_ids, parents, depths, ranks
 
 
 def _chain_walk(candidate_ids: torch.Tensor, best: torch.Tensor, best_scores: torch.Tensor) -> torch.Tensor:
