@@ -21,6 +21,7 @@ never more than K. The verify rule does not read the scores: any tree is exact.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from vllm_ddtree.core.transition_tree import build_transition_trees
 from vllm_ddtree.vllm.config import DFLASH2_ARCHITECTURE, DFLASH2_DEFAULT_SCORING, SELECTOR_SCORING, DDTreeConfig
 from vllm_ddtree.vllm.host_tree import build_draft_trees_on_host
 from vllm_ddtree.vllm.v2.speculator import DDTreeDraft, DDTreeSpeculator
+
+logger = logging.getLogger("vllm.ddtree")
 
 
 class TreeCandidates(CandidateSampler):
@@ -54,6 +57,7 @@ class DDTreeDFlash2Speculator(DDTreeDraft, DFlash2Speculator):
         super().__init__(vllm_config, device, ddtree)
         self.scoring = ddtree.scoring or DFLASH2_DEFAULT_SCORING
         self.candidate_sampler = TreeCandidates(self.max_num_reqs, self.num_speculative_steps, self.top_k, device)
+        logger.info("vllm_ddtree: DFlash2 draft, %d candidates per position; trees scored by %s (ddtree_scoring)", self.top_k, self.scoring)
 
     @override
     def _score_candidates(self, candidate_ids: torch.Tensor, unary_logits: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
