@@ -35,6 +35,7 @@ INTERPRETED_MODULES = [
     "v2/test_v2_tp.py",
     "v2/test_v2_triton_layer.py",
     "v2/test_v2_request_features.py",
+    "v2/test_v2_dflash2.py",
 ]
 
 

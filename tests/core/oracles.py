@@ -68,3 +68,29 @@ def walk_oracle(tokens: list[int], parents: list[int], valid: list[bool], target
         cur = children[cur][target[cur]]
         path.append(cur)
     return path, target[cur]
+
+
+def best_transition_paths_oracle(transitions: torch.Tensor, budget: int, topk: int) -> list[tuple[int, ...]]:
+    """Candidate paths of one request ([L, K, K] transition log-probs, row 0 read at depth 1), best
+    first, the first `budget` without a -inf log-prob, by enumerating every path depth by depth. A
+    node's children: its row's candidates by log-prob descending (ties: lower index), the first `topk`.
+    Scores: exact integer sums in units of 2^-20 nats (log-probs floored at -1000). Within a depth:
+    score descending, then the parent's place in its own depth, then the child's rank; across depths:
+    score descending, then the shallower path."""
+    depth_max, num_candidates, _ = transitions.shape
+    table = [[[None if x == -math.inf else round(max(x, -1000.0) * 2**20) for x in row] for row in rows] for rows in transitions.double().tolist()]
+    ranked: list[tuple[int, int, int, tuple[int, ...]]] = []  # (-score, depth, place in depth, path)
+    previous: list[tuple[tuple[int, ...], int | None]] = [((), 0)]
+    for depth in range(1, depth_max + 1):
+        children = []
+        for place, (path, score) in enumerate(previous):
+            row = table[depth - 1][path[-1] if path else 0]
+            by_rank = sorted(range(num_candidates), key=lambda c: (row[c] is None, -(row[c] or 0), c))[:topk]
+            for rank, candidate in enumerate(by_rank):
+                child = None if score is None or row[candidate] is None else score + row[candidate]
+                children.append((child is None, -(child or 0), place, rank, path + (candidate,), child))
+        children.sort(key=lambda c: c[:4])
+        previous = [(c[4], c[5]) for c in children]
+        ranked += [(-score, depth, place, path) for place, (path, score) in enumerate(previous) if score is not None]
+    ranked.sort()
+    return [path for *_, path in ranked[:budget]]

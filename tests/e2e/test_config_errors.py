@@ -163,3 +163,28 @@ def test_v2_model_runner_chosen_by_vllm_is_refused(pair_dirs, monkeypatch):
     monkeypatch.setattr(VllmConfig, "use_v2_model_runner", property(lambda self: True))
     with pytest.raises(ValueError, match=r"vLLM chose its V2 model runner for this engine; set VLLM_USE_V2_MODEL_RUNNER=0"):
         check_engine_config(config)
+
+
+def test_dflash2_draft_on_the_v1_model_runner_fails_at_start_naming_the_v2_runner(tmp_path, monkeypatch):
+    from vllm_ddtree.demo import demo_pair_paths
+    from vllm_ddtree.demo.dflash2_pair import write_dflash2_draft
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    draft = write_dflash2_draft(str(tmp_path / "dflash2"))
+    with pytest.raises(ValueError, match=r"runs DFlash2 drafts .*DFlash2DraftModel.* on vLLM's V2 model runner only .*"
+                                         r"set VLLM_USE_V2_MODEL_RUNNER=1 \(CPU\)"):
+        _start(demo_pair_paths()[0], {"method": "ddtree", "model": draft, "num_speculative_tokens": 4})
+
+
+@pytest.mark.parametrize(
+    ("scoring", "message"),
+    [
+        ("selector", r"ddtree_scoring 'selector' needs a DFlash2 draft \(a candidate selector\), but .* has architectures "
+                     r"\['DFlashDraftModel'\]; drop ddtree_scoring or set it to 'marginal'"),
+        ("paths", r"ddtree_scoring must be 'marginal' or 'selector', got 'paths'"),
+    ],
+)
+def test_a_scoring_the_draft_does_not_have_fails_at_start(pair_dirs, scoring, message):
+    target, draft = pair_dirs["random"]
+    with pytest.raises(ValueError, match=message):
+        _start(target, {"method": "ddtree", "model": draft, "num_speculative_tokens": 4, "ddtree_scoring": scoring})

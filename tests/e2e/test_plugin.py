@@ -128,6 +128,6 @@ def test_ddtree_request_becomes_dflash_config_with_forced_settings(pair_dirs, st
     assert config.speculative_config.method == "dflash"
     assert config.speculative_config.num_speculative_tokens == 5
     topk = 3 if style == "speculative_config" else None
-    assert config.additional_config["ddtree"] == {"budget": 5, "topk": topk, "adaptive": True}
+    assert config.additional_config["ddtree"] == {"budget": 5, "topk": topk, "adaptive": True, "scoring": None}
     assert config.parallel_config.worker_cls == WORKER_CLS
     assert config.scheduler_config.async_scheduling is False

