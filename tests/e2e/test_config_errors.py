@@ -172,7 +172,7 @@ def test_dflash2_draft_on_the_v1_model_runner_fails_at_start_naming_the_v2_runne
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     draft = write_dflash2_draft(str(tmp_path / "dflash2"))
     with pytest.raises(ValueError, match=r"runs DFlash2 drafts .*DFlash2DraftModel.* on vLLM's V2 model runner only .*"
-                                         r"set VLLM_USE_V2_MODEL_RUNNER=1 \(CPU\)"):
+                                         r"set VLLM_USE_V2_MODEL_RUNNER=1 \(vLLM 0.32; vLLM 0.34 runs V2 only\)"):
         _start(demo_pair_paths()[0], {"method": "ddtree", "model": draft, "num_speculative_tokens": 4})
 
 
