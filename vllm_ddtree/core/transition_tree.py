@@ -64,17 +64,8 @@ def build_transition_trees(
     num_nodes = [len(tree[0]) for tree in trees]
     padded = [[field + [pad] * (columns - len(field)) for field, pad in zip(tree, (root, -1, 0, 0))] for tree, root in zip(trees, roots)]
     table = torch.tensor(padded, dtype=torch.long).view(num_req, 4, columns).transpose(0, 1)  # one conversion
-    counts = torch.tensor(num_nodes, dtype=torch.long)
-    return DraftTree(
-        token_ids=table[0],
-        parents=table[1],
-        depths=table[2],
-        ranks=table[3],
-        valid=torch.arange(columns) < counts.unsqueeze(1),
-        num_nodes=counts,
-        max_depth=max_depth,
-        chain_token_ids=_chain_walk(candidate_ids.cpu(), order[..., 0], child_scores[..., 0]) if with_chain else None,
-    )
+    chain = _chain_walk(candidate_ids.cpu(), order[..., 0], child_scores[..., 0]) if with_chain else None
+    return DraftTree.from_fields(table, torch.tensor(num_nodes, dtype=torch.long), max_depth, chain)
 
 
 def _one_tree(root: int, tokens: list, orders: list, scores: list, budget: int, width: int) -> tuple[list[int], ...]:

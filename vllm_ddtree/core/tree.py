@@ -81,6 +81,15 @@ class DraftTree:
     def nodes_per_request(self) -> int:
         return self.token_ids.shape[1]
 
+    @classmethod
+    def from_fields(cls, fields: torch.Tensor, num_nodes: torch.Tensor, max_depth: int,
+                    chain_token_ids: torch.Tensor | None = None) -> DraftTree:
+        """The trees of fields [4, R, N] (token ids, parents, depths, ranks; padded as the invariants
+        say) with num_nodes [R] valid nodes each: the host builders' one conversion to tensors."""
+        return cls(token_ids=fields[0], parents=fields[1], depths=fields[2], ranks=fields[3],
+                   valid=torch.arange(fields.shape[2]) < num_nodes.unsqueeze(1), num_nodes=num_nodes,
+                   max_depth=max_depth, chain_token_ids=chain_token_ids)
+
 
 def chain_token_ids_of(top_logprobs: torch.Tensor, top_token_ids: torch.Tensor) -> torch.Tensor:
     """`DraftTree.chain_token_ids` of a draft's top-K [R, L, K] (host or device tensors)."""
@@ -247,16 +256,7 @@ def _build_by_heap(root: torch.Tensor, top_logprobs: torch.Tensor, top_token_ids
             built += 1
         num_nodes.append(built)
     fields = torch.tensor([token_ids, parents, depths, ranks], dtype=torch.long)  # one conversion
-    counts = torch.tensor(num_nodes, dtype=torch.long)
-    return DraftTree(
-        token_ids=fields[0],
-        parents=fields[1],
-        depths=fields[2],
-        ranks=fields[3],
-        valid=torch.arange(width) < counts.unsqueeze(1),
-        num_nodes=counts,
-        max_depth=max_depth,
-    )
+    return DraftTree.from_fields(fields, torch.tensor(num_nodes, dtype=torch.long), max_depth)
 
 
 def tree_attention_mask(tree: DraftTree) -> torch.Tensor:
