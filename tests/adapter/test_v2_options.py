@@ -68,7 +68,7 @@ def test_the_v2_reader_processes_every_node_as_the_v1_reader(tables, budget, dat
     v1 = read_v1_options(v1_metadata(batch), len(batch), CPU, VOCAB)
     v2 = read_v2(batch)
     assert v2.needs_node_processing == v1.needs_node_processing
-    assert vllm_sampler_serves(v2, has_structured_requests=False) == (not v1.needs_node_processing)
+    assert vllm_sampler_serves(v2, has_structured_requests=False, wants_logprobs=False) == (not v1.needs_node_processing)
     expected = process_node_logits(logits.clone(), tree, v1)
     torch.testing.assert_close(process_node_logits(logits.clone(), tree, v2), expected, rtol=0, atol=0, equal_nan=True)
 
@@ -80,9 +80,10 @@ def test_the_v2_reader_reads_the_sampling_states():
     assert params.temperature.tolist() == pytest.approx([0.0, 1.3])  # top_k 1: greedy
     assert params.seeds == {1: 123}
     assert options.logit_bias == {1: {2: 1.0}} and not options.min_tokens and options.penalties is None
-    assert not vllm_sampler_serves(options, has_structured_requests=False)
-    assert not vllm_sampler_serves(read_v2([Request(prompt=[0], output=[])]), has_structured_requests=True)
-    assert vllm_sampler_serves(read_v2([Request(prompt=[0], output=[])]), has_structured_requests=False)
+    assert not vllm_sampler_serves(options, has_structured_requests=False, wants_logprobs=False)
+    assert not vllm_sampler_serves(read_v2([Request(prompt=[0], output=[])]), has_structured_requests=True, wants_logprobs=False)
+    assert vllm_sampler_serves(read_v2([Request(prompt=[0], output=[])]), has_structured_requests=False, wants_logprobs=False)
+    assert not vllm_sampler_serves(read_v2([Request(prompt=[0], output=[])]), has_structured_requests=False, wants_logprobs=True)
 
 
 def test_the_mirror_keeps_what_vllm_hands_and_the_core_rule_commits():

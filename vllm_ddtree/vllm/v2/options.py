@@ -7,8 +7,8 @@ logit bias and allowed token ids, read as V1's input batch and logits processors
 
 V2 gives every request a seed (a random one where the user set none, `seeds_set` False): only the
 user's seeds key the core rule's draws by (seed, position); the others draw from torch's generator.
-The options V2 does not carry yet for method 'ddtree' (logprobs) are refused at admission
-(`support.REFUSALS`).
+Logprobs are not part of the record on V2: vLLM's sampler keeps them (`Sampler.get_logprobs_dims`),
+and `v2/logprobs.py` reads them there.
 """
 
 from __future__ import annotations
@@ -86,12 +86,14 @@ def _penalties(requests: Sequence[MirroredRequest], outputs: Sequence[Sequence[i
     )
 
 
-def vllm_sampler_serves(options: RequestOptions, has_structured_requests: bool) -> bool:
+def vllm_sampler_serves(options: RequestOptions, has_structured_requests: bool, wants_logprobs: bool) -> bool:
     """Whether vLLM's sampler may draw a step without drafts: unless some request has the user's seed,
-    an option processed at every node or a grammar. The core rule keys a seeded request's token at
-    position p by (seed, p), so its tokens never depend on which steps the budget policy ran without
-    drafts; vLLM's seeded draws are keyed otherwise. The options `node_logits` processes and the
-    grammars (`node_grammar`: the scheduler sends 'ddtree' engines no masks) take one path, this
-    rule's, at every step (and the output mirror, which they read, is fed only by it). Every other
-    option V2 admits for method 'ddtree' draws from the same distribution either way."""
-    return not (options.seeds or options.needs_node_processing or has_structured_requests)
+    an option processed at every node, a grammar or logprobs (`wants_logprobs`: vLLM's sampler reports
+    some for the batch). The core rule keys a seeded request's token at position p by (seed, p), so its
+    tokens never depend on which steps the budget policy ran without drafts; vLLM's seeded draws are
+    keyed otherwise. The options `node_logits` processes, the grammars (`node_grammar`: the scheduler
+    sends 'ddtree' engines no masks) and logprobs (each from its node's row, `v2/logprobs.py`) take one
+    path, this rule's, at every step (and the output mirror, which the first two read, is fed only by
+    it), as V1's `sampling.plain_sampler_serves`. Every other option V2 admits for method 'ddtree' draws
+    from the same distribution either way."""
+    return not (options.seeds or options.needs_node_processing or has_structured_requests or wants_logprobs)

@@ -215,8 +215,7 @@ class DDTreeV2RunnerMixin:
         requests = self.mirror.requests(input_batch.req_ids)
         self.options = read_v2_options(self.sampler.sampling_states, input_batch.idx_mapping_np, requests, self.vocab_size, self.device)
         self._logprobs_dims = self.sampler.get_logprobs_dims(input_batch.idx_mapping_np)
-        # logprobs are served by one path, the core rule's, at every step (as on V1, `plain_sampler_serves`)
-        self._core_rule_draws = not vllm_sampler_serves(self.options, scheduler_output.has_structured_output_requests) or self._logprobs_dims is not None
+        self._core_rule_draws = not vllm_sampler_serves(self.options, scheduler_output.has_structured_output_requests, self._logprobs_dims is not None)
         num_reqs = input_batch.num_reqs
         if isinstance(policy := self.speculator.budget_policy, SamplingRegimes):  # this batch's regime
             policy.use(self.options.all_greedy)
