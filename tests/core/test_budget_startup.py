@@ -155,3 +155,43 @@ def test_a_fresh_engines_slow_first_steps_do_not_keep_a_large_batch_off_off():
         policy.observe(12, shape, seconds, {s: TOKENS[s] * 12 for s in reported_shapes(SHAPES, shape)})
     assert policy.best_shape(12) == OFF
     assert sum(not shape.is_off for shape in chosen) <= 30, chosen
+
+
+def run_lagged(policy: AdaptiveBudget, batch: int, steps: int) -> list[TreeShape]:
+    """`run` as the engine feeds the policy: a step is observed when the next one starts (`StepClock`), so
+    each choice is made before the step before it is observed; a step followed by one of the other kind
+    is observed untimed."""
+    chosen: list[TreeShape] = []
+    for _ in range(steps):
+        shape = policy.choose(batch)
+        if chosen:
+            last = chosen[-1]
+            seconds = None if last.is_off != shape.is_off else STEP_SECONDS[batch][last]
+            policy.observe(batch, last, seconds, {s: TOKENS[s] * batch for s in reported_shapes(SHAPES, last)})
+        chosen.append(shape)
+    return chosen
+
+
+def test_a_fresh_seeded_bucket_runs_its_start_shape_once_for_its_tokens():
+    """Batch 12, nothing measured: the start shape (the tree of 8) runs one step, its seconds being the
+    start-up table's; the next choice, made before that step is observed, runs off instead of a second
+    probe (a tree's step costs several off steps there), and once the tokens are in, off, the fastest, holds.
+    Without a start-up table the start shape is held `probe_hold` steps, to be timed."""
+    seeded = AdaptiveBudget(SHAPES, explore=0.0)
+    seeded.seed_costs(startup_table())
+    chosen = run_lagged(seeded, 12, 60)
+    assert chosen[:2] == [TreeShape(8), OFF]
+    assert set(chosen[1:]) == {OFF}
+    unseeded = AdaptiveBudget(SHAPES, explore=0.0)
+    assert run_lagged(unseeded, 12, 2) == [TreeShape(8)] * unseeded.probe_hold
+
+
+def test_a_start_step_never_observed_is_probed_again():
+    """The start shape's step is lost (the engine idled after it, so the clock reports nothing): after the
+    off step that follows, observed, the bucket knows off's tokens alone, and probes speculation again
+    rather than holding off on no estimate of it."""
+    policy = AdaptiveBudget(SHAPES, explore=0.0)
+    policy.seed_costs(startup_table())
+    assert [policy.choose(12), policy.choose(12)] == [TreeShape(8), OFF]
+    policy.observe(12, OFF, None, {OFF: 12.0})
+    assert not policy.choose(12).is_off

@@ -10,9 +10,9 @@ Rules:
   steps measure (`_time`): shapes timed minutes apart on a machine whose speed drifts compare as if
   timed together, and a slow moment during a probe is charged to the machine, not to the probe.
 - Climb. A bucket starts where an adjacent measured bucket stands, else at off, else (nothing measured
-  anywhere) at the first tree of at least 8 nodes (`_start_index`); it times the references next (off,
-  the cheap one, and the chain: what a user would run instead of trees), then the measured leader's
-  untimed neighbours, and takes the best rate. A bucket visited rarely follows an adjacent bucket's
+  anywhere) at the first tree of at least 8 nodes (`_start_index`), for one step where the start-up table
+  has its cost (`_start`); it times the references next (off, the cheap one, and the chain: what a user
+  would run instead of trees), then the measured leader's untimed neighbours, and takes the best rate. A bucket visited rarely follows an adjacent bucket's
   best until it has run FOLLOW_STEPS steps of its own (`_followed`).
 - Hold. The best shape is held `hold` steps, a probe `probe_hold`. The held best yields only to a rival
   whose rate beats it by `margin` times how many of its steps one of the rival's costs (`_cost`): timing
@@ -176,6 +176,8 @@ class AdaptiveBudget:
     _bucket_steps: dict[int, int] = field(default_factory=dict)
     _credited: set[int] = field(default_factory=set)
     """Buckets that have had their initial re-probe credit (`observe`)."""
+    _started: dict[int, int] = field(default_factory=dict)
+    """Per bucket, its observed steps when its start shape was last picked for its tokens alone (`_start`)."""
     _new_text: bool = False
     _probe: ProbeCharge | None = None
     prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
@@ -409,7 +411,7 @@ class AdaptiveBudget:
             return self.shapes[followed], self.hold
         rates = self._rates(bucket)
         if not rates:
-            return self.shapes[self._start_index(bucket)], self.probe_hold
+            return self._start(bucket)
         references = [i for i, shape in enumerate(self.shapes) if shape.is_off or shape.is_chain]
         for i in references:  # what a user would run instead, timed early in every bucket
             if i not in rates:
@@ -436,6 +438,22 @@ class AdaptiveBudget:
                     self._charge(bucket, probe, self._probe_cost(bucket, rates, best, probe))
                 return self.shapes[probe], self.probe_hold
         return self.shapes[best], self.hold
+
+    def _start(self, bucket: int) -> tuple[TreeShape, int]:
+        """A bucket without rates (nothing timed, or no token estimate yet): the start shape (`_start_index`),
+        held `probe_hold` steps to be timed. A start shape with a start-up cost is run for its tokens alone
+        (its seconds are the table's): one step, and the pick after it, made before that step is observed
+        (a step is reported when the next one starts, `StepClock`), runs off for one step instead of a
+        second probe, since at a large batch a tree's step costs several off steps. If the step is never
+        observed (an idle gap), the next pick after an observed step probes again."""
+        start = self.shapes[self._start_index(bucket)]
+        if start.is_off or (batch_of(bucket), start) not in self.prior:
+            return start, self.probe_hold
+        steps = self._bucket_steps.get(bucket, 0)
+        if self._started.get(bucket) == steps:
+            return OFF, 1
+        self._started[bucket] = steps
+        return start, 1
 
     def _beside(self, best: int) -> list[int]:
         """The shapes either side of `best` in the list, re-timed while it is held, and past the chain where
