@@ -20,7 +20,10 @@ the same start), in alternating order; reported: each one's `LLM(...)` seconds a
 seconds (`startup_seconds` of the runner), median [min-max].
 
     python benchmarks/fresh_start.py [--batch 1 12] [--temperature 0 1] [--rounds 5] [--budget 32]
-        [--startup-rounds 4] [--out benchmarks/results]
+        [--startup-rounds 4] [--pinned-off] [--out benchmarks/results]
+
+`--pinned-off` adds the default's engine with a policy pinned to off ("pinned-off"): where off is the
+best alternative, the most the default can reach, so its ratio is the off path's own cost.
 """
 
 from __future__ import annotations
@@ -42,14 +45,31 @@ from vllm_ddtree.demo.engines import (
 )
 
 
-def new_policy(worker: Any, seeded: bool) -> int:
-    """Give a DDTree runner a fresh adaptive policy, seeded with its start-up costs or not (runs in the
+def new_policy(worker: Any, seeded: bool | str) -> int:
+    """Give a DDTree runner a fresh adaptive policy, seeded with its start-up costs or not, or (seeded =
+    "off") a policy pinned to off: the most the default can reach where off is right (runs in the
     engine-core process). Returns the number of start-up costs it was seeded with."""
-    from vllm_ddtree.core import SamplingRegimes
+    from vllm_ddtree.core import OFF, SamplingRegimes
 
     runner = worker.model_runner
     policy = getattr(getattr(runner, "drafter", None), "budget_policy", None)
     if policy is None:
+        return 0
+    if seeded == "off":
+
+        class PinnedOff:
+            shapes = policy.shapes
+
+            def choose(self, num_requests: int, context_tokens: float = 0.0) -> Any:
+                return OFF
+
+            def observe(self, *args: Any, **kwargs: Any) -> None:
+                pass
+
+            def requests_arrived(self, num_requests: int) -> None:
+                pass
+
+        runner.use_budget_policy(PinnedOff())
         return 0
     fresh = SamplingRegimes(policy.shapes)
     costs = (runner.startup_costs or {}) if seeded else {}
@@ -107,6 +127,7 @@ def main() -> int:
     parser.add_argument("--budget", type=int, default=32, help="num_speculative_tokens of the default config")
     parser.add_argument("--trees", type=int, nargs="*", default=[8, 16], help="fixed tree budgets run beside it")
     parser.add_argument("--startup-rounds", type=int, default=0, help="rounds of the start-up time comparison (0: none)")
+    parser.add_argument("--pinned-off", action="store_true", help="also time the default's engine with its policy pinned to off")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args()
     configure_environment()
@@ -151,6 +172,8 @@ def main() -> int:
                                  seed=1000 + i if temperature > 0 else None) for i in range(len(prompts))]
         runs = [(name, name, None) for name, _ in variants if name != "default" and (temperature == 0 or name != "dflash")]
         runs += [("default", "startup", True), ("default", "online", False)]
+        if args.pinned_off:
+            runs.append(("default", "pinned-off", "off"))
         alternatives = [label for _, label, seeded in runs if seeded is None]
         for batch in args.batch:
             for engine_name, _, seeded in runs:  # untimed warm-up job

@@ -63,3 +63,23 @@ def test_steps_drafting_the_other_kind_of_step_count_tokens_but_not_time():
         adaptive.observe(2, chain, seconds, {chain: 6})
     assert adaptive.costs[(batch_bucket(2), chain)].values == deque([0.02])
     assert adaptive.spread[chain].steps == 3
+
+
+def test_a_mixed_step_reports_its_verified_requests_untimed():
+    """A step that also prefilled (a request's prompt beside decoding ones) is reported without its time,
+    as the requests that verified drafts and the tokens they committed: the prefills' first tokens would
+    count one per request whatever the shape. A mixed step that verified no drafts is not reported."""
+    policy = RecordingPolicy()
+    clock = StepClock(policy)
+    shape = TreeShape(4)
+    clock.step_started(0.0, 12, shape, decode_only=False)  # 11 prefills, 1 request verifying its tree
+    clock.step_sampled(14, {OFF: 0, shape: 2}, verified=(1, 3))
+    clock.step_ended(0.05)
+    clock.step_started(0.06, 12, OFF, decode_only=False)  # 12 more prefills... and no drafts verified
+    clock.step_sampled(12, {OFF: 0}, verified=(0, 0))
+    clock.step_ended(0.1)
+    clock.step_started(0.11, 12, OFF, decode_only=False)  # vLLM's sampler drew it: nothing verified
+    clock.step_sampled(12, {OFF: 0})
+    clock.step_ended(0.15)
+    clock.step_started(0.16, 12, OFF, decode_only=True)
+    assert policy.observed == [(1, shape, None, {OFF: 1, shape: 3}, 0.0)]

@@ -195,3 +195,16 @@ def test_a_start_step_never_observed_is_probed_again():
     assert [policy.choose(12), policy.choose(12)] == [TreeShape(8), OFF]
     policy.observe(12, OFF, None, {OFF: 12.0})
     assert not policy.choose(12).is_off
+
+
+def test_a_start_step_at_the_first_few_requests_is_not_repeated_at_the_full_batch():
+    """A fresh engine's requests reach it one by one: its first step may run 1 request, and the choice for
+    the full batch of 12 comes before that step is observed (the clock reports it when the next one
+    starts). That choice runs off rather than a second start probe at 12 requests, where a tree's step
+    costs several off steps; once the first request's tokens are in, the batch of 12 ranks its shapes."""
+    policy = AdaptiveBudget(SHAPES, explore=0.0)
+    policy.seed_costs(startup_table())
+    assert policy.choose(1) == TreeShape(8)
+    assert policy.choose(12) == OFF
+    policy.observe(1, TreeShape(8), None, {s: TOKENS[s] for s in reported_shapes(SHAPES, TreeShape(8))})
+    assert run(policy, 12, 40) == [OFF] * 40

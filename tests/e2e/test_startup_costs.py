@@ -73,10 +73,11 @@ def first_choices(llm, runner, policy, steps: int = 6) -> list[TreeShape]:
 
 
 def test_the_policys_first_choices_follow_the_start_up_table(engine):
-    """A table that makes the tree of 4 ten times as cheap as every other shape: after the start (a tree of
-    8, which measures every smaller shape's tokens: nothing is known of the text before it), the policy
-    runs the tree of 4 at once. The same policy without a table times the tree of 8, then the references
-(off) before any other shape."""
+    """A table that makes the tree of 4 ten times as cheap as every other shape: after the start (one step of
+    a tree of 8, which measures every smaller shape's tokens: nothing is known of the text before it; the
+    step after it is chosen before its tokens are in, and runs off), the policy runs the tree of 4 at once.
+    The same policy without a table times the tree of 8 (two steps), then the references (off) before any
+    other shape."""
     llm, runner = engine
     shapes = runner.drafter.budget_policy.shapes
     start, cheap = TreeShape(8), TreeShape(4)
@@ -84,8 +85,7 @@ def test_the_policys_first_choices_follow_the_start_up_table(engine):
     seeded = SamplingRegimes(shapes)
     seeded.seed_costs(forced)
     chosen = first_choices(llm, runner, seeded)
-    assert chosen[:2] == [start, start]
-    assert chosen[2] == cheap
+    assert chosen[:3] == [start, OFF, cheap]
     unseeded = SamplingRegimes(shapes)
     chosen = first_choices(llm, runner, unseeded)
     assert chosen[:2] == [start, start]

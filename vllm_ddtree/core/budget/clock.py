@@ -5,7 +5,10 @@ Rules:
   per-step overhead, which the shape pays too.
 - Only contiguous decode steps are timed: not a step the engine sat idle after, nor one that committed
   no tokens or never finished sampling, nor one that also prefilled prompt tokens (its time says nothing
-  about the shape).
+  about the shape). Such a mixed step is reported untimed, with the requests that verified drafts alone
+  and their tokens (the others' prefills commit one token whatever the shape), or not at all if none
+  did: its drafts' acceptance is as good a sample as a decode step's, and the steps of a fresh engine
+  whose requests arrive one by one, or of a server, are mixed often.
 - A step ends by drafting for the next one, so a step followed by a step of the other kind (speculation
   after none, or none after speculation) did the other kind's drafting work (a draft pass and the
   deferred context, or none): it is reported without its time, its tokens still counted. A short probe
@@ -54,6 +57,8 @@ class TimedStep:
     busy: float | None = None
     committed: int = 0
     accepted: dict[TreeShape, int] = field(default_factory=dict)
+    timed: bool = True
+    """A decode-only step; False: a mixed step, reported untimed (the module's rules)."""
 
 
 @dataclass
@@ -73,12 +78,23 @@ class StepClock:
             if elapsed < IDLE_FACTOR * last.busy + self.idle_slack:
                 tokens = tokens_by_shape(last.committed, last.shape, last.accepted)
                 drafted_other_kind = last.shape.is_off != shape.is_off
-                self.policy.observe(last.requests, last.shape, None if drafted_other_kind else elapsed, tokens, last.context_tokens)
-        self.current = TimedStep(requests, shape, now, context_tokens) if requests > 0 and decode_only else None
+                seconds = elapsed if last.timed and not drafted_other_kind else None
+                self.policy.observe(last.requests, last.shape, seconds, tokens, last.context_tokens)
+        self.current = TimedStep(requests, shape, now, context_tokens, timed=decode_only) if requests > 0 else None
 
-    def step_sampled(self, committed: int, accepted: dict[TreeShape, int]) -> None:
-        if self.current is not None:
-            self.current.committed, self.current.accepted = committed, accepted
+    def step_sampled(self, committed: int, accepted: dict[TreeShape, int], verified: tuple[int, int] | None = None) -> None:
+        """The step committed `committed` tokens, its drafts' acceptance per shape `accepted`
+        (`accepted_by_shape`); verified = (requests that verified drafts, the tokens they committed), which
+        a mixed step reports instead (none: the step is not reported)."""
+        step = self.current
+        if step is None:
+            return
+        if not step.timed:
+            if verified is None or verified[0] == 0:
+                self.current = None
+                return
+            step.requests, committed = verified
+        step.committed, step.accepted = committed, accepted
 
     def step_ended(self, now: float) -> None:
         if self.current is not None:

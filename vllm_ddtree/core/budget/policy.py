@@ -176,8 +176,8 @@ class AdaptiveBudget:
     _bucket_steps: dict[int, int] = field(default_factory=dict)
     _credited: set[int] = field(default_factory=set)
     """Buckets that have had their initial re-probe credit (`observe`)."""
-    _started: dict[int, int] = field(default_factory=dict)
-    """Per bucket, its observed steps when its start shape was last picked for its tokens alone (`_start`)."""
+    _start_pending: int | None = None
+    """The observed steps when a start shape was last picked for its tokens alone (`_start`)."""
     _new_text: bool = False
     _probe: ProbeCharge | None = None
     prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
@@ -442,17 +442,17 @@ class AdaptiveBudget:
     def _start(self, bucket: int) -> tuple[TreeShape, int]:
         """A bucket without rates (nothing timed, or no token estimate yet): the start shape (`_start_index`),
         held `probe_hold` steps to be timed. A start shape with a start-up cost is run for its tokens alone
-        (its seconds are the table's): one step, and the pick after it, made before that step is observed
-        (a step is reported when the next one starts, `StepClock`), runs off for one step instead of a
-        second probe, since at a large batch a tree's step costs several off steps. If the step is never
-        observed (an idle gap), the next pick after an observed step probes again."""
+        (its seconds are the table's): one step, and a pick made before that step is observed (a step is
+        reported when the next one starts, `StepClock`), in any bucket (tokens are pooled over buckets),
+        runs off for one step instead of a second probe: at a large batch a tree's step costs several off
+        steps, and a fresh engine's first step often runs the few requests that reached it first. If the
+        step is never observed (an idle gap), the next pick after an observed step probes again."""
         start = self.shapes[self._start_index(bucket)]
         if start.is_off or (batch_of(bucket), start) not in self.prior:
             return start, self.probe_hold
-        steps = self._bucket_steps.get(bucket, 0)
-        if self._started.get(bucket) == steps:
+        if self._start_pending == self._observed_steps:
             return OFF, 1
-        self._started[bucket] = steps
+        self._start_pending = self._observed_steps
         return start, 1
 
     def _beside(self, best: int) -> list[int]:

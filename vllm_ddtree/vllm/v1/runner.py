@@ -441,8 +441,12 @@ class DDTreeRunnerMixin:
         if step is None or not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
-        committed = int(np.count_nonzero(output.numpy() >= 0)) - discarded
-        self.clock.step_sampled(committed, accepted_by_shape(self.clock.policy.shapes, used, step))
+        rows = output.numpy() >= 0
+        verified = step.num_drafts.numpy() > 0  # a request with drafts decodes: never discarded
+        self.clock.step_sampled(
+            int(np.count_nonzero(rows)) - discarded, accepted_by_shape(self.clock.policy.shapes, used, step),
+            (int(np.count_nonzero(verified)), int(np.count_nonzero(rows[verified]))),
+        )
 
     def _compact_target_kv(self, step: TreeStep) -> None:
         """Move the accepted nodes' K/V to rows start + k in every target layer (the draft's layers are

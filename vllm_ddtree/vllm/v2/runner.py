@@ -300,7 +300,7 @@ class DDTreeV2RunnerMixin:
         self._discarded = committed == 0
         self.mirror.commit(input_batch.req_ids, output.numpy(), committed)
         if self.clock is not None:
-            self._clock_sampled(step, int(num_sampled.sum()))
+            self._clock_sampled(step, committed)
         sampler_output = SamplerOutput(
             sampled_token_ids=output.to(device), logprobs_tensors=logprobs, num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected
         )
@@ -316,10 +316,15 @@ class DDTreeV2RunnerMixin:
         return self.node_grammars.filtered_trees(trees, top_logprobs, top_token_ids, budget, list(self._step_batch.req_ids),
                                                  step.acceptance.output_token_ids, self._discarded, self.mirror.by_id)
 
-    def _clock_sampled(self, step: TreeStep, committed: int) -> None:
-        """Tell the clock the tokens this step commits, and what each shape nested in it would accept."""
+    def _clock_sampled(self, step: TreeStep, committed: np.ndarray) -> None:
+        """Tell the clock the tokens this step commits (committed [R] per request), and what each shape
+        nested in it would accept."""
         assert self.clock is not None
-        self.clock.step_sampled(committed, accepted_by_shape(self.clock.policy.shapes, self._step_shape, step))
+        verified = step.num_drafts.numpy() > 0
+        self.clock.step_sampled(
+            int(committed.sum()), accepted_by_shape(self.clock.policy.shapes, self._step_shape, step),
+            (int(np.count_nonzero(verified)), int(committed[verified].sum())),
+        )
 
     def _chain_view(self, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
         """The draft's view of the verify step: linear positions again and each window's accepted path
