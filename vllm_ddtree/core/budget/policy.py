@@ -12,8 +12,9 @@ Rules:
 - Climb. A bucket starts where an adjacent measured bucket stands, else at off, else (nothing measured
   anywhere) at the first tree of at least 8 nodes (`_start_index`), for one step where the start-up table
   has its cost (`_start`); it times the references next (off, the cheap one, and the chain: what a user
-  would run instead of trees), then the measured leader's untimed neighbours, and takes the best rate. A bucket visited rarely follows an adjacent bucket's
-  best until it has run FOLLOW_STEPS steps of its own (`_followed`).
+  would run instead of trees), then the measured leader's untimed neighbours, and takes the best rate. A
+  bucket visited rarely follows an adjacent bucket's best until it has run FOLLOW_STEPS steps of its own
+  (`_followed`).
 - Hold. The best shape is held `hold` steps, a probe `probe_hold`. The held best yields only to a rival
   whose rate beats it by `margin` times how many of its steps one of the rival's costs (`_cost`): timing
   noise between near-equal shapes does not flip the choice, and a costly shape needs stronger evidence.
