@@ -4,11 +4,14 @@ draft's context, independent of where a runner keeps its inputs.
 - `walk`: the acceptance walk over the step's sampled nodes, and vLLM's output rows;
 - `kv_slot_moves`: the accepted nodes' K/V moves as (source, destination) KV slots, read on the host;
 - `path_first`: the draft's context rows of every verify window in path order;
-- `accepted_by_shape`: what each shape nested in the step's would have accepted (the budget clock's read-off).
+- `accepted_by_shape`: what each shape nested in the step's would have accepted (the budget clock's read-off);
+- `verified_tokens`: the requests that verified drafts and the tokens they committed (what a mixed step
+  reports to the budget clock).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_ddtree.core import TreeShape, compact_rows_
@@ -69,3 +72,11 @@ def accepted_by_shape(shapes: list[TreeShape], used: TreeShape, step: TreeStep) 
     return host_tree.accepted_by_shape_on_host(
         shapes, used, step.tree, step.acceptance.accepted_nodes, step.num_drafts.numpy() > 0, step.target_token_ids
     )
+
+
+def verified_tokens(step: TreeStep, committed: np.ndarray) -> tuple[int, int]:
+    """(requests of `step` that verified drafts, the tokens they committed), from committed [R], the
+    tokens each request committed: what a step that also prefilled reports to the budget clock
+    (`StepClock.step_sampled`). A request with drafts decodes, so none of them is a discarded prefill."""
+    verified = step.num_drafts.numpy() > 0
+    return int(np.count_nonzero(verified)), int(committed[verified].sum())

@@ -65,7 +65,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, verified_tokens, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v1.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm.v1.options import read_v1_options
@@ -441,11 +441,9 @@ class DDTreeRunnerMixin:
         if step is None or not step.has_drafts:  # roots alone: one token per request, no draft to accept
             self.clock.step_sampled(num_reqs - discarded, {used: 0})
             return
-        rows = output.numpy() >= 0
-        verified = step.num_drafts.numpy() > 0  # a request with drafts decodes: never discarded
+        committed = np.count_nonzero(output.numpy() >= 0, axis=1)
         self.clock.step_sampled(
-            int(np.count_nonzero(rows)) - discarded, accepted_by_shape(self.clock.policy.shapes, used, step),
-            (int(np.count_nonzero(verified)), int(np.count_nonzero(rows[verified]))),
+            int(committed.sum()) - discarded, accepted_by_shape(self.clock.policy.shapes, used, step), verified_tokens(step, committed)
         )
 
     def _compact_target_kv(self, step: TreeStep) -> None:

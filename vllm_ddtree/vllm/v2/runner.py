@@ -59,7 +59,7 @@ from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
 from vllm_ddtree.vllm.rank_zero import from_rank_zero
 from vllm_ddtree.vllm.sampling import gather_node_logits, sample_nodes
-from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, verified_tokens, walk
 from vllm_ddtree.vllm.surface import COMPUTE_SAMPLE_LOGITS, available, check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
@@ -320,10 +320,8 @@ class DDTreeV2RunnerMixin:
         """Tell the clock the tokens this step commits (committed [R] per request), and what each shape
         nested in it would accept."""
         assert self.clock is not None
-        verified = step.num_drafts.numpy() > 0
         self.clock.step_sampled(
-            int(committed.sum()), accepted_by_shape(self.clock.policy.shapes, self._step_shape, step),
-            (int(np.count_nonzero(verified)), int(committed[verified].sum())),
+            int(committed.sum()), accepted_by_shape(self.clock.policy.shapes, self._step_shape, step), verified_tokens(step, committed)
         )
 
     def _chain_view(self, aux_hidden_states: list[torch.Tensor]) -> list[torch.Tensor]:
