@@ -335,3 +335,22 @@ def test_a_block_mass_rounded_up_never_yields_a_token_without_mass():
     for path in (inverse_cdf, _inverse_cdf_torch):
         assert path(probs, uniforms).tolist() == [1, 1]
     assert inverse_cdf(probs[:1], uniforms[:1]).tolist() == [1]
+
+
+@given(
+    temperatures=st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 50.0, allow_subnormal=False)), min_size=1, max_size=4),
+    nodes=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_host_temperature_division_has_torchs_bits(temperatures, nodes, seed):
+    """Host rows are divided by their temperature in numpy, device rows in torch: the same float32
+    quotients (greedy requests' rows divided by 1), so a row's draw never depends on which path ran."""
+    from vllm_ddtree.core.sampling import _divide_by_temperature, _per_row
+
+    temperature = torch.tensor(temperatures, dtype=torch.float32)
+    logits = torch.randn(len(temperatures) * nodes, 97, generator=torch.Generator().manual_seed(seed)) * 30
+    host = logits.clone()
+    _divide_by_temperature(host, TreeSamplingParams(temperature=temperature), nodes)
+    params = TreeSamplingParams(temperature=temperature)
+    expected = logits / _per_row(torch.where(params.is_greedy, 1.0, temperature), nodes)
+    assert torch.equal(host, expected)

@@ -63,8 +63,7 @@ def process_logits(logits: torch.Tensor, params: TreeSamplingParams, inplace: bo
     """
     num_req, nodes, vocab = logits.shape
     flat = logits.reshape(num_req * nodes, vocab).to(torch.float32, copy=not inplace)
-    temperature = torch.where(params.is_greedy, 1.0, params.temperature.to(torch.float32))
-    flat.div_(_per_row(temperature, nodes))
+    _divide_by_temperature(flat, params, nodes)
     if params.min_p is not None:
         probs = flat.softmax(dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * _per_row(params.min_p.to(torch.float32), nodes)
@@ -72,6 +71,20 @@ def process_logits(logits: torch.Tensor, params: TreeSamplingParams, inplace: bo
     if params.top_k is not None or params.top_p is not None:
         flat = _apply_top_k_top_p(flat, params, nodes, vocab)
     return flat.view(num_req, nodes, vocab)
+
+
+def _divide_by_temperature(flat: torch.Tensor, params: TreeSamplingParams, nodes: int) -> None:
+    """flat [R * N, V] float32 /= each request's temperature (1 for greedy requests), in place. Host rows
+    through numpy (float32 division is correctly rounded in both libraries, so the bits are torch's):
+    at a few rows each of the four torch ops costs tens of microseconds once a forward pass has evicted
+    the caches, the division itself a few."""
+    if flat.device.type != "cpu" or params.temperature.device.type != "cpu":
+        flat.div_(_per_row(torch.where(params.is_greedy, 1.0, params.temperature.to(torch.float32)), nodes))
+        return
+    temperature = params.temperature.numpy()
+    temperature = np.where(temperature < GREEDY_EPS, 1.0, temperature).astype(np.float32, copy=False)
+    rows = flat.numpy()
+    np.divide(rows, np.repeat(temperature, nodes)[:, None], out=rows)
 
 
 def _apply_top_k_top_p(flat: torch.Tensor, params: TreeSamplingParams, nodes: int, vocab: int) -> torch.Tensor:
@@ -108,11 +121,12 @@ def sample_tree_tokens(
     probs = processed.softmax(dim=-1)  # one fused pass: max, exp, sum
     uniforms = _uniforms(params.seeds, positions, probs.shape[:2], probs.device)
     sampled = inverse_cdf(probs.flatten(0, 1), uniforms.flatten()).view(probs.shape[:2])
-    no_mass = sampled < 0
     # A row without mass (every token masked, e.g. allowed_token_ids that min_tokens or bad_words forbid,
     # or +inf / NaN logits from extreme penalties) takes its first maximal processed logit (NaN counting
     # as maximal; all -inf: token 0), as vLLM's Gumbel-max sampler does; never a token past the vocabulary.
-    if bool(no_mass.any()):  # a host sync only where it matters; the caller reads the tokens back next
+    # (A host sync only where it matters; the caller reads the tokens back next.)
+    if bool((sampled.numpy() < 0).any() if sampled.device.type == "cpu" else (sampled < 0).any()):
+        no_mass = sampled < 0
         sampled = torch.where(no_mass, argmax_first(processed.flatten(0, 1)).view(no_mass.shape), sampled)
     return sampled if greedy_tokens is None else torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
 
@@ -130,9 +144,9 @@ def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torc
     every_row = len(rows) == shape[0]  # every request seeded (rows are 0 .. R-1)
     seeded_positions = positions if every_row else positions[rows]
     if positions.device.type == "cpu" and seeded_positions.numel() <= _FEW_KEYED_DRAWS:
-        keyed = torch.tensor(
-            [[splitmix_uniform(seeds[r], p) for p in row] for r, row in zip(rows, seeded_positions.tolist())], dtype=torch.float64
-        )
+        keyed = torch.from_numpy(np.array(  # numpy builds the array several times faster than torch.tensor
+            [[splitmix_uniform(seeds[r], p) for p in row] for r, row in zip(rows, seeded_positions.tolist())], dtype=np.float64
+        ).reshape(len(rows), -1))
     else:
         keys = torch.tensor([_signed(seeds[r] & _MASK64) for r in rows], dtype=torch.long, device=positions.device).unsqueeze(1)
         keyed = keyed_uniforms(keys, seeded_positions.long())
@@ -205,7 +219,7 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     interval bound)."""
     if probs.device.type == "cpu" and uniforms.device.type == "cpu":
         if probs.shape[0] == 1:  # one draw (batch 1 without drafts): scalar bounds, half the array ops
-            return torch.tensor([_inverse_cdf_numpy_row(probs.numpy()[0], float(uniforms[0]))])
+            return torch.from_numpy(np.array([_inverse_cdf_numpy_row(probs.numpy()[0], float(uniforms.numpy()[0]))], dtype=np.int64))
         return torch.from_numpy(_inverse_cdf_numpy(probs.numpy(), uniforms.numpy()))
     return _inverse_cdf_torch(probs, uniforms)
 
