@@ -212,14 +212,21 @@ def kv_bytes_per_token(model_dirs: list[str], dtype: str) -> int:
     return total * {"float32": 4, "bfloat16": 2}[dtype]
 
 
+CPU_BLOCK_TOKENS = 128
+"""vLLM's KV block on a CPU (its default block_size there): a sequence holds whole blocks."""
+
+
 def kv_cache_bytes(pair: str, model_dirs: list[str], dtype: str, sequences: int, tokens: int, max_model_len: int) -> int:
     """The embedded pair: 0, i.e. `KV_CACHE_BYTES` of the largest context (unchanged, float32). A widened
-    pair (its KV per token 10-20x the embedded pair's): `sequences` sequences of `tokens` each, and at
-    least one of `max_model_len` (vLLM refuses to start otherwise), a quarter more for the blocks'
-    rounding and the prefix cache, in whole MiB."""
+    pair (its KV per token 10-20x the embedded pair's): `sequences` sequences of `tokens` each, each in
+    whole blocks, and at least one of `max_model_len` (vLLM refuses to start otherwise), a quarter more
+    for the prefix cache, in whole MiB. (Sized without the blocks' rounding, a batch of 12 sequences of
+    192 tokens got 22 blocks of 128 for its 24: the speculative engines, whose draft layers share the
+    cache, preempted and recomputed requests where no speculation did not.)"""
     if pair == "embedded":
         return 0
-    need = 1.25 * max(sequences * tokens, max_model_len) * kv_bytes_per_token(model_dirs, dtype)
+    per_sequence = -(-tokens // CPU_BLOCK_TOKENS) * CPU_BLOCK_TOKENS
+    need = 1.25 * max(sequences * per_sequence, max_model_len) * kv_bytes_per_token(model_dirs, dtype)
     return int(-(-need // 2**20)) * 2**20
 
 

@@ -20,10 +20,15 @@ the same start), in alternating order; reported: each one's `LLM(...)` seconds a
 seconds (`startup_seconds` of the runner), median [min-max].
 
     python benchmarks/fresh_start.py [--batch 1 12] [--temperature 0 1] [--rounds 5] [--budget 32]
-        [--startup-rounds 4] [--pinned-off] [--out benchmarks/results]
+        [--startup-rounds 4] [--pinned-off] [--pair embedded|0.6b|1.7b] [--dtype float32|bfloat16]
+        [--out benchmarks/results]
 
 `--pinned-off` adds the default's engine with a policy pinned to off ("pinned-off"): where off is the
 best alternative, the most the default can reach, so its ratio is the off path's own cost.
+
+`--pair 0.6b` (or 1.7b) runs the shipped pair widened to that model's cost, computing the same function
+(`vllm_ddtree.demo.widen_pair`, built on first use), with a KV cache sized from its layers
+(`bench.kv_cache_bytes`); `--dtype bfloat16` is where such a pair's trees pay on a CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import os
 import statistics
 import time
 from typing import Any
+
+from bench import PAIRS, kv_cache_bytes
 
 from vllm_ddtree.demo.engines import (
     ENGINE_KWARGS,
@@ -66,7 +73,10 @@ def new_policy(worker: Any, seeded: bool | str) -> int:
             def observe(self, *args: Any, **kwargs: Any) -> None:
                 pass
 
-            def requests_arrived(self, num_requests: int) -> None:
+            def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
+                pass
+
+            def requests_finished(self, finished: int, remaining: int) -> None:
                 pass
 
         runner.use_budget_policy(PinnedOff())
@@ -128,6 +138,9 @@ def main() -> int:
     parser.add_argument("--trees", type=int, nargs="*", default=[8, 16], help="fixed tree budgets run beside it")
     parser.add_argument("--startup-rounds", type=int, default=0, help="rounds of the start-up time comparison (0: none)")
     parser.add_argument("--pinned-off", action="store_true", help="also time the default's engine with its policy pinned to off")
+    parser.add_argument("--pair", choices=PAIRS, default="embedded",
+                        help="the shipped pair, or it widened to Qwen3-0.6B/1.7B cost (same function; built on first use)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args()
     configure_environment()
@@ -135,10 +148,14 @@ def main() -> int:
 
     from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
     from vllm_ddtree.demo.summary import chain_length
+    from vllm_ddtree.demo.widen_pair import widened_pair_paths
 
-    target, draft = demo_pair_paths()
+    target, draft = demo_pair_paths() if args.pair == "embedded" else widened_pair_paths(args.pair)
     depth = chain_length(draft)
-    kwargs = dict(ENGINE_KWARGS, max_num_seqs=max(args.batch), max_num_batched_tokens=2048)
+    kwargs = dict(ENGINE_KWARGS, max_num_seqs=max(args.batch), max_num_batched_tokens=2048, dtype=args.dtype)
+    sequence = 64 + args.max_tokens + 2 * args.budget  # a prompt, its output and two trees past it
+    if kv_bytes := kv_cache_bytes(args.pair, [target, draft], args.dtype, max(args.batch), sequence, kwargs["max_model_len"]):
+        kwargs["kv_cache_memory_bytes"] = kv_bytes
     ddtree = {"method": "ddtree", "model": draft}
     default = {**ddtree, "num_speculative_tokens": args.budget}
     report: dict[str, Any] = {"args": vars(args), "load_average_start": os.getloadavg(), "cells": []}

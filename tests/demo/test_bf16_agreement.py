@@ -90,7 +90,9 @@ def test_realistic_preset_is_overridden_by_explicit_arguments_and_leaves_the_def
         bench.parse_args(["--pair", "0.6b", "--target", "t", "--draft", "d"])
 
 
-def test_widened_kv_cache_holds_the_sequences_and_one_of_max_model_len(tmp_path):
+def test_widened_kv_cache_holds_the_sequences_in_whole_blocks_and_one_of_max_model_len(tmp_path):
+    """Each sequence in whole blocks of 128 tokens (vLLM's on a CPU): sized by tokens alone, 16
+    sequences of 192 tokens got 30 blocks for their 32, and the speculative engines preempted."""
     import json
 
     bench = _bench()
@@ -101,7 +103,8 @@ def test_widened_kv_cache_holds_the_sequences_and_one_of_max_model_len(tmp_path)
     dirs = [str(tmp_path / "target"), str(tmp_path / "draft")]
     per_token = 2 * 32 * 8 * 64 * 2  # K and V, 32 layers, 8 heads of 64, bf16
     assert bench.kv_bytes_per_token(dirs, "bfloat16") == per_token
-    assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 16, 192, 1024) == 1.25 * 16 * 192 * per_token  # 240 MiB
+    assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 16, 192, 1024) == 1.25 * 16 * 256 * per_token  # 320 MiB
+    assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 16, 256, 1024) == 1.25 * 16 * 256 * per_token
     assert bench.kv_cache_bytes("0.6b", dirs, "bfloat16", 1, 100, 1024) == 1.25 * 1024 * per_token  # one max_model_len
     assert bench.kv_cache_bytes("embedded", dirs, "float32", 16, 192, 1024) == 0  # the shipped pair keeps its sizes
 
