@@ -52,7 +52,10 @@ class Alternate:
     def observe(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def requests_arrived(self, num_requests: int) -> None:
+    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
+        pass
+
+    def requests_finished(self, finished: int, remaining: int) -> None:
         pass
 
 
