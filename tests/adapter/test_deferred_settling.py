@@ -237,3 +237,19 @@ def test_a_finish_stores_only_the_finished_requests_full_blocks():
     assert passes == [4]
     drafter.store_deferred_context()
     assert passes == [4, 3] and drafter.deferred_rows == 0
+
+
+@given(
+    slots=st.lists(st.integers(-1, 80), max_size=40),
+    tables=st.lists(st.lists(st.integers(0, 20), max_size=4), max_size=3),
+    block_size=st.sampled_from([1, 4, 16]),
+)
+def test_rows_in_blocks_on_the_host_and_in_torch_are_the_rows_in_a_listed_block(slots, tables, block_size):
+    from vllm_ddtree.vllm.deferred_context import _rows_in_blocks_torch
+
+    expected = [slot >= 0 and any(slot // block_size in table for table in tables) for slot in slots]
+    held = torch.tensor(slots, dtype=torch.int64)
+    assert rows_in_blocks(held, tables, block_size).tolist() == expected
+    blocks = sorted({block for table in tables for block in table})
+    if blocks and slots:
+        assert _rows_in_blocks_torch(held, blocks, block_size).tolist() == expected

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_ddtree.core import unreadable_context_rows
+from vllm_ddtree.core.context_rows import _unreadable_in_torch
 
 
 @st.composite
@@ -46,8 +47,10 @@ def test_unreadable_rows_are_the_finished_requests_partial_blocks(pile, prefix_c
     positions = torch.tensor([p for _, p in rows], dtype=torch.int64)
     slots = torch.tensor([requests[r]["table"][p // block_size] * block_size + p % block_size for r, p in rows], dtype=torch.int64)
     finished = [req["table"] for req in requests if req["finished"]]
-    got = unreadable_context_rows(positions, slots, finished, block_size, prefix_caching)
-    assert got.tolist() == unreadable_oracle(block_size, requests, rows, prefix_caching)
+    expected = unreadable_oracle(block_size, requests, rows, prefix_caching)
+    assert unreadable_context_rows(positions, slots, finished, block_size, prefix_caching).tolist() == expected  # numpy
+    if finished and rows:  # (the public function answers the others before either path)
+        assert _unreadable_in_torch(positions, slots, finished, block_size, prefix_caching).tolist() == expected  # devices' path
 
 
 def test_nothing_is_unreadable_without_finished_requests_or_rows():
@@ -55,5 +58,7 @@ def test_nothing_is_unreadable_without_finished_requests_or_rows():
     assert not unreadable_context_rows(positions, slots, [], 4, True).any()
     assert unreadable_context_rows(positions[:0], slots[:0], [[10, 11]], 4, True).shape == (0,)
     # a padding slot (-1) and a block past every table belong to no finished request
-    got = unreadable_context_rows(torch.tensor([0, 1, 0]), torch.tensor([-1, 5, 400]), [[1], []], 4, False)
-    assert got.tolist() == [False, True, False]
+    for path in (unreadable_context_rows, _unreadable_in_torch):
+        got = path(torch.tensor([0, 1, 0]), torch.tensor([-1, 5, 400]), [[1], []], 4, False)
+        assert got.tolist() == [False, True, False]
+        assert not path(positions, slots, [[], []], 4, True).any()  # finished requests without blocks

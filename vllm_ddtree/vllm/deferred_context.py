@@ -138,6 +138,13 @@ def rows_in_blocks(slots: torch.Tensor, block_tables: Sequence[Sequence[int]], b
     blocks = sorted({block for table in block_tables for block in table})
     if not blocks or slots.numel() == 0:
         return torch.zeros(slots.shape, dtype=torch.bool, device=slots.device)
+    if slots.device.type == "cpu":  # numpy's floor division and isin: two ops where torch takes four
+        return torch.from_numpy(np.isin(slots.numpy().astype(np.int64) // block_size, blocks))
+    return _rows_in_blocks_torch(slots, blocks, block_size)
+
+
+def _rows_in_blocks_torch(slots: torch.Tensor, blocks: list[int], block_size: int) -> torch.Tensor:
+    """`rows_in_blocks` of device rows, given the blocks listed (sorted, at least one)."""
     listed = torch.tensor(blocks, dtype=torch.long, device=slots.device)
     return torch.isin(slots.long().div(block_size, rounding_mode="floor"), listed)
 
