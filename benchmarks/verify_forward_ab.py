@@ -52,10 +52,7 @@ class Alternate:
     def observe(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        pass
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
+    def requests_arrived(self, num_requests: int) -> None:
         pass
 
 

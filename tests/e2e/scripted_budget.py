@@ -25,8 +25,5 @@ class ScriptedBudget:
     def observe(self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0) -> None:
         self.observed += 1
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        pass
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
+    def requests_arrived(self, num_requests: int) -> None:
         pass

@@ -521,11 +521,8 @@ class _RecordingPolicy:
     def observe(self, *args: Any) -> None:
         self.policy.observe(*args)
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        self.policy.requests_arrived(num_requests, arrived)
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
-        self.policy.requests_finished(finished, remaining)
+    def requests_arrived(self, num_requests: int) -> None:
+        self.policy.requests_arrived(num_requests)
 
 
 def test_timing_perturbed_adaptive_policy_changes_no_output(engine, plain, alone):

@@ -6,18 +6,15 @@ draft's context, independent of where a runner keeps its inputs.
 - `path_first`: the draft's context rows of every verify window in path order;
 - `accepted_by_shape`: what each shape nested in the step's would have accepted (the budget clock's read-off);
 - `verified_tokens`: the requests that verified drafts and the tokens they committed (what a mixed step
-  reports to the budget clock);
-- `tell_departures_and_arrivals`: the batch's departures and arrivals, as the budget policy hears them.
+  reports to the budget clock).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
-from vllm_ddtree.core import BudgetPolicy, TreeShape, compact_rows_
+from vllm_ddtree.core import TreeShape, compact_rows_
 from vllm_ddtree.vllm import host_tree
 from vllm_ddtree.vllm.tree_step import TreeStep
 
@@ -83,14 +80,3 @@ def verified_tokens(step: TreeStep, committed: np.ndarray) -> tuple[int, int]:
     (`StepClock.step_sampled`). A request with drafts decodes, so none of them is a discarded prefill."""
     verified = step.num_drafts.numpy() > 0
     return int(np.count_nonzero(verified)), int(committed[verified].sum())
-
-
-def tell_departures_and_arrivals(policy: BudgetPolicy, scheduler_output: Any) -> None:
-    """Tell `policy` the requests that left the batch since the last step (finished or aborted; preempted
-    ones come back) and then those that joined it: an arrival after a departure refills it
-    (`core.budget.refills`). The last departures of a batch come in a step that schedules nothing."""
-    num_reqs = len(scheduler_output.num_scheduled_tokens)
-    if scheduler_output.finished_req_ids:
-        policy.requests_finished(len(scheduler_output.finished_req_ids), num_reqs)
-    if scheduler_output.scheduled_new_reqs:
-        policy.requests_arrived(num_reqs, len(scheduler_output.scheduled_new_reqs))

@@ -8,7 +8,6 @@ One module per concept, each stating its rules:
   with their standard error).
 - `read_off`: what every smaller tree and the chain would have accepted, read off one verified tree.
 - `clock`: which engine steps are timed, and how they reach the policy.
-- `refills`: whether the batch's departures are refilled (the tail discount's evidence).
 - `policy`: `AdaptiveBudget`, which measures, climbs, holds and re-measures.
 - `regimes`: one policy for greedy batches, one for sampled ones.
 """

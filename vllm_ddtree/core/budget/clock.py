@@ -40,12 +40,8 @@ class BudgetPolicy(Protocol):
         self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0
     ) -> None: ...
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        """`arrived` new requests joined the batch, which now holds `num_requests`."""
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
-        """`finished` requests left the batch (finished or aborted; not preempted ones, which come back),
-        `remaining` still run."""
+    def requests_arrived(self, num_requests: int) -> None:
+        """New requests joined the batch, which now holds `num_requests`."""
 
 
 @dataclass

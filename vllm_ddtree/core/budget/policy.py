@@ -20,8 +20,7 @@ Rules:
   noise between near-equal shapes does not flip the choice, and a costly shape needs stronger evidence.
   At 4 or more requests speculation's rates are discounted by `batched_discount` (`_rates`): a batch's
   requests progress unevenly under speculation, and the tail of steps that run its slowest few is a
-  cost no step's rate shows. The discount falls with the share of recent departures that were refilled
-  (`refills`): a batch refilled as requests leave (a server under load) has no tail while the load lasts.
+  cost no step's rate shows.
 - Re-measure. Estimates age (the text changes, the machine drifts), so the held best's rivals (its
   neighbours, and the references) are measured again: a rival whose upper confidence rate would win
   the switch (`_doubted`), else a rival whose timing is overdue (`_retime_after`), paid from a credit
@@ -50,7 +49,6 @@ from typing import NamedTuple
 
 from vllm_ddtree.core.budget.estimators import DecayedMean, RecentMedian, SampleSpread
 from vllm_ddtree.core.budget.read_off import read_off_shapes
-from vllm_ddtree.core.budget.refills import Refills
 from vllm_ddtree.core.budget.shapes import BATCH_BUCKETS, OFF, TreeShape, batch_bucket, batch_of, step_bucket
 
 SPEED_WINDOW = 3
@@ -155,8 +153,7 @@ class AdaptiveBudget:
     reprobe: float = 0.015
     """Share of a bucket's timed seconds credited to re-probes (`_reprobed`)."""
     batched_discount: float = 0.35
-    """Discount of speculative shapes' rates against off's at 4 or more requests, while no departure is
-    refilled (`_rates`)."""
+    """Discount of speculative shapes' rates against off's at 4 or more requests (`_rates`)."""
     seed: int = 0
     """Seed of exploration's generator."""
     tokens: dict[TreeShape, DecayedMean] = field(default_factory=dict)
@@ -183,9 +180,6 @@ class AdaptiveBudget:
     _start_pending: int | None = None
     """The observed steps when a start shape was last picked for its tokens alone (`_start`)."""
     _new_text: bool = False
-    refills: Refills = field(default_factory=Refills)
-    """The refilled share of the batch's recent departures (`requests_arrived`, `requests_finished`),
-    shared by the regimes' policies (`SamplingRegimes`)."""
     _probe: ProbeCharge | None = None
     prior: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
     """Start-up costs (`seed_costs`): seconds of a step of a shape, by batch bucket (`batch_of`) and shape,
@@ -214,21 +208,15 @@ class AdaptiveBudget:
         self._held += 1
         return self._current
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        """`arrived` requests joined the batch, which now holds `num_requests`; each refills a recent
-        departure, if one is open (`refills`; 0: told to the shared `refills` already). At batch 1 a new request is new text: its first doubted
-        rival is re-measured even when the re-probe credit cannot pay for it (once per request; charged
-        to the credit, `_reprobed`), while the rival's estimate rests on fewer than FEW_SAMPLES steps:
-        estimates taken on one request's text say little about the next one's. Once a rival has been
-        measured on more text, the credit alone pays its re-probes: a probe granted per new request
-        would cost too much where off is right."""
-        self.refills.arrived(arrived)
+    def requests_arrived(self, num_requests: int) -> None:
+        """At batch 1 a new request is new text: its first doubted rival is re-measured even when the
+        re-probe credit cannot pay for it (once per request; charged to the credit, `_reprobed`), while
+        the rival's estimate rests on fewer than FEW_SAMPLES steps: estimates taken on one request's
+        text say little about the next one's. Once a rival has been measured on more text, the credit
+        alone pays its re-probes: a probe granted per new request would cost too much where off is
+        right."""
         if batch_bucket(num_requests) == 0:
             self._new_text = True
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
-        """`finished` requests left the batch (finished or aborted), `remaining` still run (`refills`)."""
-        self.refills.departed(finished, remaining)
 
     def observe(
         self, num_requests: int, used: TreeShape, seconds: float | None, tokens: dict[TreeShape, float], context_tokens: float = 0.0
@@ -256,7 +244,6 @@ class AdaptiveBudget:
         if self._probe is not None:
             self._charge_probe(bucket, used)
         self._observed_steps += 1
-        self.refills.tick()
         self._bucket_steps[bucket] = self._bucket_steps.get(bucket, 0) + 1
         requests = max(1, num_requests)
         for shape, count in tokens.items():
@@ -618,18 +605,15 @@ class AdaptiveBudget:
 
     def _rates(self, bucket: int) -> dict[int, float]:
         """Rates of this bucket by index in `shapes`: the measured ones, speculative shapes' discounted by
-        `batched_discount` at 4 or more requests, times the share of recent departures not refilled. A
-        batch's requests progress unevenly under speculation, and a batch that drains then ends with a
-        tail of steps that run the slowest few requests, which no step's rate shows (an offline batch
-        waits for its hardest prompt); a batch refilled as requests leave (continuous batching under a
-        server's load, or an offline job larger than the batch) has no tail until its load ends. Until
-        departures show refills, at large batches speculation must win by more than ties and timing
-        noise before it runs. From 2-3 requests on down the steps run the tail itself, which speculation
-        shortens."""
+        `batched_discount` at 4 or more requests. A batch's requests progress unevenly under speculation,
+        and an offline batch then ends with a tail of steps that run the slowest few requests, which
+        no step's rate shows (the batch waits for its hardest prompt); continuous batching refills the
+        batch instead. The per-step rate cannot see which, so at large batches speculation must win by
+        more than ties and timing noise before it runs. From 2-3 requests on down the steps run the
+        tail itself, which speculation shortens."""
         rates = {i: rate for i, shape in enumerate(self.shapes) if (rate := self.tokens_per_second(bucket, shape)) is not None}
         if batch_of(bucket) >= 2:
-            kept = 1 - self.batched_discount * (1 - self.refills.refilled_share())
-            rates = {i: rate if self.shapes[i].is_off else rate * kept for i, rate in rates.items()}
+            rates = {i: rate if self.shapes[i].is_off else rate * (1 - self.batched_discount) for i, rate in rates.items()}
         return rates
 
     def _followed(self, bucket: int) -> int | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_ddtree.core.budget.policy import AdaptiveBudget
-from vllm_ddtree.core.budget.refills import Refills
 from vllm_ddtree.core.budget.shapes import TreeShape
 
 
@@ -30,9 +29,6 @@ class SamplingRegimes:
     startup_costs: dict[tuple[int, TreeShape], float] = field(default_factory=dict)
     """Costs timed when the engine starts, seconds[(num_requests, shape)], every regime's policy starts
     from (`AdaptiveBudget.seed_costs`): step costs follow the batch, not the sampling."""
-    refills: Refills = field(default_factory=Refills)
-    """Whether the batch's departures are refilled, shared by the regimes' policies: the batch is the
-    same whatever its sampling."""
 
     def seed_costs(self, seconds: dict[tuple[int, TreeShape], float]) -> None:
         """Start every regime's policy, made or to be made, from these start-up costs."""
@@ -49,7 +45,7 @@ class SamplingRegimes:
         """The policy of the regime in use."""
         policy = self.policies.get(self.greedy)
         if policy is None:
-            policy = self.policies[self.greedy] = AdaptiveBudget(self.shapes, refills=self.refills)
+            policy = self.policies[self.greedy] = AdaptiveBudget(self.shapes)
             policy.seed_costs(self.startup_costs)
         return policy
 
@@ -61,13 +57,8 @@ class SamplingRegimes:
     ) -> None:
         self.policy.observe(num_requests, used, seconds, tokens, context_tokens)
 
-    def requests_arrived(self, num_requests: int, arrived: int = 1) -> None:
-        """Told to every regime's policy (the new request's regime is not known yet, and new text is new
-        to either); its refills once, to the batch's `refills` they share."""
-        self.refills.arrived(arrived)
+    def requests_arrived(self, num_requests: int) -> None:
+        """Told to every regime's policy: the new request's regime is not known yet, and new text is new
+        to either."""
         for policy in self.policies.values():
-            policy.requests_arrived(num_requests, arrived=0)
-
-    def requests_finished(self, finished: int, remaining: int) -> None:
-        """A departure from the batch the regimes' policies share (`refills`)."""
-        self.refills.departed(finished, remaining)
+            policy.requests_arrived(num_requests)

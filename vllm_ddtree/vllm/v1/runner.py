@@ -65,7 +65,7 @@ from vllm_ddtree.vllm.stage_times import (
     TREE_BUILD,
     StageTimes,
 )
-from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, tell_departures_and_arrivals, verified_tokens, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, verified_tokens, walk
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v1.gdn import attach_gdn_trees, compact_gdn_states, kv_cache_group_kinds
 from vllm_ddtree.vllm.v1.options import read_v1_options
@@ -210,7 +210,8 @@ class DDTreeRunnerMixin:
             gid = self.drafter.kv_cache_gid
             self.drafter.store_deferred_context([self.requests[r].block_ids[gid] for r in freed if r in self.requests])
         if self.clock is not None:
-            tell_departures_and_arrivals(self.clock.policy, scheduler_output)
+            if scheduler_output.scheduled_new_reqs:
+                self.clock.policy.requests_arrived(len(scheduler_output.num_scheduled_tokens))
             # every request decodes (1 + its drafts): each is scheduled at least that many, so the sums tell
             num_reqs = len(scheduler_output.num_scheduled_tokens)
             num_drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))

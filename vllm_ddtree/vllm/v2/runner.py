@@ -59,7 +59,7 @@ from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.patching import installed_vllm_version, supported_release
 from vllm_ddtree.vllm.rank_zero import from_rank_zero
 from vllm_ddtree.vllm.sampling import gather_node_logits, sample_nodes
-from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, tell_departures_and_arrivals, verified_tokens, walk
+from vllm_ddtree.vllm.steps import accepted_by_shape, kv_slot_moves, path_first, verified_tokens, walk
 from vllm_ddtree.vllm.surface import COMPUTE_SAMPLE_LOGITS, available, check_vllm_surface, release_surface
 from vllm_ddtree.vllm.tree_step import Proposals, TreeRows, TreeStep
 from vllm_ddtree.vllm.v2.logprobs import v2_emitted_logprobs
@@ -188,10 +188,10 @@ class DDTreeV2RunnerMixin:
         self.mirror.note_new_requests(scheduler_output.scheduled_new_reqs)
         self.node_grammars.drop(scheduler_output.finished_req_ids)  # a preempted request's grammar waits for it
         self.node_grammars.note_new_requests(scheduler_output.scheduled_new_reqs)
-        if self.clock is not None:
-            tell_departures_and_arrivals(self.clock.policy, scheduler_output)
         if self.clock is not None and scheduler_output.total_num_scheduled_tokens:
             num_reqs = len(scheduler_output.num_scheduled_tokens)
+            if scheduler_output.scheduled_new_reqs:
+                self.clock.policy.requests_arrived(num_reqs)
             num_drafts = sum(map(len, scheduler_output.scheduled_spec_decode_tokens.values()))
             decode_only = scheduler_output.total_num_scheduled_tokens == num_reqs + num_drafts
             self.clock.step_started(time.perf_counter(), num_reqs, self._step_shape, decode_only, self._context_tokens)
