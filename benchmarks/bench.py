@@ -254,16 +254,21 @@ def engine_kwargs(
 
 
 def pair_paths(args: argparse.Namespace) -> tuple[str, str]:
-    """(target, draft): --target/--draft, the shipped pair, or it widened to --pair (built on first use)."""
+    """(target, draft): --target/--draft, else `shipped_pair_paths(--pair)`."""
     if args.target:
         return args.target, args.draft
-    if args.pair == "embedded":
+    return shipped_pair_paths(args.pair)
+
+
+def shipped_pair_paths(pair: str) -> tuple[str, str]:
+    """(target, draft) of the shipped pair ("embedded"), or of it widened to `pair` (built on first use)."""
+    if pair == "embedded":
         from vllm_ddtree.demo import demo_pair_paths
 
         return demo_pair_paths()
     from vllm_ddtree.demo.widen_pair import widened_pair_paths
 
-    return widened_pair_paths(args.pair)
+    return widened_pair_paths(pair)
 
 
 def exact_greedy_check(dtype: str | None) -> bool:

@@ -40,7 +40,7 @@ import statistics
 import time
 from typing import Any
 
-from bench import PAIRS, kv_cache_bytes
+from bench import PAIRS, kv_cache_bytes, shipped_pair_paths
 
 from vllm_ddtree.demo.engines import (
     ENGINE_KWARGS,
@@ -143,11 +143,10 @@ def main() -> int:
     configure_environment()
     from vllm import SamplingParams
 
-    from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
+    from vllm_ddtree.demo import heldout_prompts
     from vllm_ddtree.demo.summary import chain_length
-    from vllm_ddtree.demo.widen_pair import widened_pair_paths
 
-    target, draft = demo_pair_paths() if args.pair == "embedded" else widened_pair_paths(args.pair)
+    target, draft = shipped_pair_paths(args.pair)
     depth = chain_length(draft)
     kwargs = dict(ENGINE_KWARGS, max_num_seqs=max(args.batch), max_num_batched_tokens=2048, dtype=args.dtype)
     sequence = 64 + args.max_tokens + 2 * args.budget  # a prompt, its output and two trees past it

@@ -55,9 +55,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench import PAIRS, kv_cache_bytes
+from bench import PAIRS, kv_cache_bytes, shipped_pair_paths
 
-from vllm_ddtree.demo import demo_pair_paths, heldout_prompts
+from vllm_ddtree.demo import heldout_prompts
 from vllm_ddtree.demo.engines import ENGINE_KWARGS, rotated
 from vllm_ddtree.demo.quiet import quiet_run
 from vllm_ddtree.demo.side_by_side import (
@@ -85,6 +85,10 @@ SERVER_ENV = {
 }
 
 
+DEFAULT_BUDGET = 32
+"""num_speculative_tokens of the "ddtree" variant: the default configuration."""
+
+
 def speculative_configs(draft: str) -> dict[str, dict[str, Any] | None]:
     """Every selectable variant's --speculative-config (None: no speculation)."""
     ddtree = {"method": "ddtree", "model": draft}
@@ -92,7 +96,7 @@ def speculative_configs(draft: str) -> dict[str, dict[str, Any] | None]:
         NONE: None,
         "control": None,  # a second server without speculation: what two identical servers differ by
         "dflash": {"method": "dflash", "model": draft, "num_speculative_tokens": chain_length(draft)},
-        "ddtree": {**ddtree, "num_speculative_tokens": 32},
+        "ddtree": {**ddtree, "num_speculative_tokens": DEFAULT_BUDGET},
         "ddtree-8": {**ddtree, "num_speculative_tokens": 8, "ddtree_adaptive": False},
     }
 
@@ -401,13 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     extra_env = dict(item.split("=", 1) for item in args.server_env)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the servers are stopped on SIGTERM too
-    if args.pair == "embedded":
-        target, draft = demo_pair_paths()
-    else:
-        from vllm_ddtree.demo.widen_pair import widened_pair_paths
-
-        target, draft = widened_pair_paths(args.pair)
-    sequence = args.prompt_tokens + args.output_len + 2 * 32  # a request, and two trees of the default's past it
+    target, draft = shipped_pair_paths(args.pair)
+    sequence = args.prompt_tokens + args.output_len + 2 * DEFAULT_BUDGET  # a request, and two of the default's trees past it
     kv_bytes = kv_cache_bytes(args.pair, [target, draft], args.dtype, max(args.concurrency), sequence, ENGINE_KWARGS["max_model_len"])
     kv_bytes = kv_bytes or ENGINE_KWARGS["kv_cache_memory_bytes"]
     specs = speculative_configs(draft)
