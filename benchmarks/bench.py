@@ -220,9 +220,9 @@ def kv_cache_bytes(pair: str, model_dirs: list[str], dtype: str, sequences: int,
     """The embedded pair: 0, i.e. `KV_CACHE_BYTES` of the largest context (unchanged, float32). A widened
     pair (its KV per token 10-20x the embedded pair's): `sequences` sequences of `tokens` each, each in
     whole blocks, and at least one of `max_model_len` (vLLM refuses to start otherwise), a quarter more
-    for the prefix cache, in whole MiB. (Sized without the blocks' rounding, a batch of 12 sequences of
-    192 tokens got 22 blocks of 128 for its 24: the speculative engines, whose draft layers share the
-    cache, preempted and recomputed requests where no speculation did not.)"""
+    for the prefix cache, in whole MiB. Whole blocks, because a cache sized by tokens alone runs short of
+    blocks in the speculative engines (their draft layers share the cache), which then preempt and
+    recompute requests where no speculation does not: the comparison would measure the cache."""
     if pair == "embedded":
         return 0
     per_sequence = -(-tokens // CPU_BLOCK_TOKENS) * CPU_BLOCK_TOKENS
