@@ -126,3 +126,40 @@ def test_no_dummy_request_reads_past_its_block_table_row(engine, monkeypatch):
                for _, _, seq_lens, (table_rows, row_blocks) in built)
     assert all(len(set(query_lens)) == 1 and query_lens[0] in verify_rows for _, query_lens, *_ in built)
     assert all(torch.equal(before, after) for before, after in zip(kv_caches, runner.kv_caches))
+
+
+def test_larger_batch_sizes_time_their_largest_forward_and_interpolate_the_rest(engine, monkeypatch):
+    """Batch 1 times the target at every row count, each larger batch size at its largest row count only;
+    every other shape's target cost is the forwards' seconds interpolated at its tokens. With timings forced
+    to a linear function of the tokens, the interpolation is exact, so every entry is that function plus
+    the draft pass and the tree build."""
+    _, runner = engine
+    monkeypatch.setattr(startup_costs, "TIME_LIMIT_S", float("inf"))
+    timed = []
+
+    def forced_least(run, sync):
+        if getattr(run, "func", None) is startup_costs._target_step:
+            batch, rows = run.args[1:]
+            timed.append((batch, rows))
+            return 0.01 + 1e-4 * batch * rows
+        return 0.002 if getattr(run, "func", None) is startup_costs._draft_pass else 0.0
+
+    monkeypatch.setattr(startup_costs, "_least", forced_least)
+    shapes = runner.drafter.budget_policy.shapes
+    table = startup_costs.time_step_costs(runner, shapes)
+    verify_rows = sorted({startup_costs._rows(shape, BUDGET) for shape in shapes})
+    assert [rows for batch, rows in timed if batch == 1] == verify_rows
+    assert [(batch, rows) for batch, rows in timed if batch > 1] == [(3, verify_rows[-1]), (6, verify_rows[-1]), (12, verify_rows[-1])]
+    assert set(table) == {(batch, shape) for batch in (1, 3, 6, 12) for shape in shapes}
+    for (batch, shape), seconds in table.items():
+        expected = 0.01 + 1e-4 * batch * startup_costs._rows(shape, BUDGET) + (0.0 if shape.is_off else 0.002)
+        assert seconds == pytest.approx(expected, rel=1e-9)
+
+
+def test_interpolated_is_exact_at_timed_tokens_linear_between_and_none_outside():
+    seconds = {1: 1.0, 9: 2.0, 33: 5.0}
+    assert startup_costs.interpolated(seconds, 9) == 2.0
+    assert startup_costs.interpolated(seconds, 5) == pytest.approx(1.5)
+    assert startup_costs.interpolated(seconds, 17) == pytest.approx(3.0)
+    assert startup_costs.interpolated(seconds, 34) is None
+    assert startup_costs.interpolated({}, 1) is None

@@ -6,7 +6,12 @@ to max_num_seqs):
 - the target: its forward over b requests of `rows` tokens each (vLLM's `_dummy_run` in its uniform
   layout, attention metadata built, the drafter not run; `_target_step`) and its LM head over the rows
   a step samples (b for off, every row otherwise), for the rows each candidate shape verifies: 1 (off),
-  1 + depth (the chain), 1 + n (a tree of n nodes);
+  1 + depth (the chain), 1 + n (a tree of n nodes). At a short context a forward costs what its tokens
+  cost, however they split into requests (the linear layers dominate the attention; on the 0.6b-cost
+  pair in bf16, 27-33 tokens took 100-102 ms at batch 1, 3 and 6, 96-102 tokens 151-152 ms at batch 3, 6
+  and 12, and 198-204 tokens 239-244 ms at batch 6 and 12). So batch 1 times every row count and each
+  larger batch size only its largest: a step of b x rows tokens costs the forwards' seconds
+  interpolated at those tokens (`interpolated`), one forward per batch size instead of one per shape;
 - the draft, once per b: every speculative shape drafts the same depth (`DDTreeProposer.propose`), so
   one pass (DFlash's `dummy_run` over b x (1 + depth) rows: the context store and the block pass) and
   its LM head and top-k over b x depth rows serve them all;
@@ -20,9 +25,10 @@ Invariants:
   process on the machine only add time.
 - A shape whose tokens at b exceed max_num_batched_tokens is not timed at b (the scheduler never runs
   it there), nor one whose rows exceed max_model_len (a dummy request's sequence must fit in its
-  block-table row, `_target_step`), nor is a larger batch size once it would end the timing past
-  TIME_LIMIT_S (the next size has about twice the rows, so about twice the time of the last); batch 1
-  is always timed.
+  block-table row, `_target_step`), nor one whose tokens exceed the most a timed forward held (no
+  extrapolation), nor is a larger batch size once it would end the timing past TIME_LIMIT_S (its work
+  is the last size's largest forward, draft pass and builds at the larger size's rows: at most as many
+  times the time as it has requests); batch 1 is always timed.
 - Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
   its own policy, of which TP rank 0's decides every step (`rank_zero.shape_from_rank_zero`); rank 0
   alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
@@ -32,6 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -54,10 +61,13 @@ REPEATS = 2
 """Runs per measurement; the least counts (a first call's one-time costs, allocations and lazy kernels,
 fall on the first run only)."""
 
-TIME_LIMIT_S = 1.5
+TIME_LIMIT_S = 4.0
 """No larger batch size is timed once it would end the timing past this many seconds: the largest
 batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
-policy times shapes online anyway."""
+policy times shapes online anyway. A batch size the table lacks is learnt online by the climb, several
+steps per shape (each shape's first step in a bucket is untimed), which at batch 12 on the 0.6b-cost
+pair in bf16 cost a 64-token job at T=1 about 15% of its time (docs/benchmarks.md); this limit covers
+batch 1-12 there (3.2 s), and batch 1-192 on the embedded pair (1.6 s)."""
 
 
 def seed_budget_policy(runner: Any) -> tuple[dict[tuple[int, TreeShape], float], float] | None:
@@ -114,31 +124,46 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
     sync = runner._sync_device
     speculative = [shape for shape in shapes if not shape.is_off]
     candidates = max((drafter.candidates_for(shape) for shape in speculative), default=1)
+    row_counts = sorted({_rows(shape, depth) for shape in shapes})
     group = get_tp_group()
+    forwards: dict[int, float] = {}  # the target's forward and LM head, by the tokens they held
     table: dict[tuple[int, TreeShape], float] = {}
     start = time.perf_counter()
-    for batch in (b for b in BATCHES if b <= max_seqs):
+    for batch, next_batch in itertools.pairwise((*(b for b in BATCHES if b <= max_seqs), None)):
+        fits = [rows for rows in row_counts if batch * rows <= max_tokens and rows <= max_model_len]
+        for rows in fits[:-1] if batch == 1 else ():  # the rest of each larger batch size's are interpolated
+            forwards[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
         batch_start = time.perf_counter()
-        target = {}
-        for rows in sorted({_rows(shape, depth) for shape in shapes}):
-            if batch * rows <= max_tokens and rows <= max_model_len:
-                target[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
+        if fits:
+            forwards[batch * fits[-1]] = _least(functools.partial(_target_step, runner, batch, fits[-1]), sync)
         draft = None
         if speculative and batch * (1 + depth) <= max_tokens:
             draft = _least(functools.partial(_draft_pass, drafter, batch, depth, candidates), sync)
         for shape in shapes:
-            rows = _rows(shape, depth)
-            if rows not in target or (not shape.is_off and draft is None):
+            target = interpolated(forwards, batch * _rows(shape, depth)) if _rows(shape, depth) <= max_model_len else None
+            if target is None or (not shape.is_off and draft is None):
                 continue
-            table[batch, shape] = target[rows] + (0.0 if shape.is_off else draft + _least(_tree_build(batch, depth, candidates, shape), sync))
+            table[batch, shape] = target + (0.0 if shape.is_off else draft + _least(_tree_build(batch, depth, candidates, shape), sync))
         now = time.perf_counter()
-        # the next batch size has about twice the rows: it would take about twice as long as this one
-        go_on = now - start + 2 * (now - batch_start) <= TIME_LIMIT_S
+        # the next batch size repeats this one's work at up to next / batch times the rows (`TIME_LIMIT_S`)
+        go_on = next_batch is not None and now - start + (now - batch_start) * next_batch / batch <= TIME_LIMIT_S
         if group.world_size > 1:  # rank 0's decision on every rank: all run the same collective forwards
             go_on = bool(group.broadcast(torch.tensor([int(go_on)]), src=0)[0])
         if not go_on:
             break
     return table
+
+
+def interpolated(seconds: dict[int, float], tokens: int) -> float | None:
+    """seconds[tokens] where timed, else linear between the nearest timed token counts either side; None
+    outside the timed range (the module's rules: a forward's cost is a function of its tokens)."""
+    if tokens in seconds:
+        return seconds[tokens]
+    below = max((t for t in seconds if t < tokens), default=None)
+    above = min((t for t in seconds if t > tokens), default=None)
+    if below is None or above is None:
+        return None
+    return seconds[below] + (seconds[above] - seconds[below]) * (tokens - below) / (above - below)
 
 
 def _target_step(runner: Any, batch: int, rows: int) -> None:
