@@ -10,8 +10,12 @@ to max_num_seqs):
   cost, however they split into requests (the linear layers dominate the attention; on the 0.6b-cost
   pair in bf16, 27-33 tokens took 100-102 ms at batch 1, 3 and 6, 96-102 tokens 151-152 ms at batch 3, 6
   and 12, and 198-204 tokens 239-244 ms at batch 6 and 12). So batch 1 times every row count and each
-  larger batch size only its largest: a step of b x rows tokens costs the forwards' seconds
-  interpolated at those tokens (`interpolated`), one forward per batch size instead of one per shape;
+  larger batch size its largest and its smallest only (off's, one row per request); the other shapes'
+  b x rows tokens cost the seconds of the forwards timed at batch 1 and at each batch size's largest
+  rows, interpolated at those tokens (`interpolated`). Off is timed at every batch size, not
+  interpolated: it is the reference every shape is weighed against, and its forward holds the most
+  requests per token, whose per-request costs a count of tokens does not show (on the embedded pair in
+  float32 the interpolation put off 11-18% below its timing at batch 12-48, the other shapes within 3%);
 - the draft, once per b: every speculative shape drafts the same depth (`DDTreeProposer.propose`), so
   one pass (DFlash's `dummy_run` over b x (1 + depth) rows: the context store and the block pass) and
   its LM head and top-k over b x depth rows serve them all;
@@ -27,8 +31,8 @@ Invariants:
   it there), nor one whose rows exceed max_model_len (a dummy request's sequence must fit in its
   block-table row, `_target_step`), nor one whose tokens exceed the most a timed forward held (no
   extrapolation), nor is a larger batch size once it would end the timing past TIME_LIMIT_S (its work
-  is the last size's largest forward, draft pass and builds at the larger size's rows: at most as many
-  times the time as it has requests); batch 1 is always timed.
+  is the last size's smallest and largest forwards, draft pass and builds at the larger size's rows: at
+  most as many times the time as it has requests); batch 1 is always timed.
 - Under tensor parallelism every rank runs the same dummy forwards (they all-reduce together) and seeds
   its own policy, of which TP rank 0's decides every step (`rank_zero.shape_from_rank_zero`); rank 0
   alone decides when the timing stops, broadcast to the others, so every rank runs as many forwards.
@@ -61,13 +65,19 @@ REPEATS = 2
 """Runs per measurement; the least counts (a first call's one-time costs, allocations and lazy kernels,
 fall on the first run only)."""
 
-TIME_LIMIT_S = 4.0
+WARM_UP = 4
+"""Untimed forwards before the timing: the first forwards after a large one (vLLM's profile run at
+max_num_batched_tokens) run slow for several forwards, each run of the least of REPEATS alike (on the
+embedded pair in float32, one row at batch 1 took 3.9-4.2 ms timed first and 2.8-3.0 ms after other
+forwards; five rows 6.5-7.5 ms after one untimed forward, 5.8-6.1 ms after four)."""
+
+TIME_LIMIT_S = 5.0
 """No larger batch size is timed once it would end the timing past this many seconds: the largest
 batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
 policy times shapes online anyway. A batch size the table lacks is learnt online by the climb, several
 steps per shape (each shape's first step in a bucket is untimed), which at batch 12 on the 0.6b-cost
 pair in bf16 cost a 64-token job at T=1 about 15% of its time (docs/benchmarks.md); this limit covers
-batch 1-12 there (3.2 s), and batch 1-192 on the embedded pair (1.6 s)."""
+batch 1-12 there (4.1 s), and batch 1-192 on the embedded pair (1.7 s)."""
 
 
 def seed_budget_policy(runner: Any) -> tuple[dict[tuple[int, TreeShape], float], float] | None:
@@ -126,21 +136,30 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
     candidates = max((drafter.candidates_for(shape) for shape in speculative), default=1)
     row_counts = sorted({_rows(shape, depth) for shape in shapes})
     group = get_tp_group()
-    forwards: dict[int, float] = {}  # the target's forward and LM head, by the tokens they held
+    measured: dict[tuple[int, int], float] = {}  # the target's forward and LM head, by (batch, rows) timed
+    by_tokens: dict[int, float] = {}  # those timed at batch 1 or at a batch size's largest rows, by their tokens
     table: dict[tuple[int, TreeShape], float] = {}
     start = time.perf_counter()
+    for _ in range(WARM_UP):  # untimed
+        _target_step(runner, 1, 1)
     for batch, next_batch in itertools.pairwise((*(b for b in BATCHES if b <= max_seqs), None)):
         fits = [rows for rows in row_counts if batch * rows <= max_tokens and rows <= max_model_len]
-        for rows in fits[:-1] if batch == 1 else ():  # the rest of each larger batch size's are interpolated
-            forwards[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
+        every_batch = sorted({fits[0], fits[-1]}) if fits else []  # off's own forward; the token table's point
+        for rows in (r for r in fits if r not in every_batch) if batch == 1 else ():
+            measured[batch, rows] = by_tokens[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
         batch_start = time.perf_counter()
-        if fits:
-            forwards[batch * fits[-1]] = _least(functools.partial(_target_step, runner, batch, fits[-1]), sync)
+        for rows in every_batch:
+            measured[batch, rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
+            if batch == 1 or rows == fits[-1]:
+                by_tokens[batch * rows] = measured[batch, rows]
         draft = None
         if speculative and batch * (1 + depth) <= max_tokens:
             draft = _least(functools.partial(_draft_pass, drafter, batch, depth, candidates), sync)
         for shape in shapes:
-            target = interpolated(forwards, batch * _rows(shape, depth)) if _rows(shape, depth) <= max_model_len else None
+            rows = _rows(shape, depth)
+            target = measured.get((batch, rows))
+            if target is None and rows <= max_model_len:
+                target = interpolated(by_tokens, batch * rows)
             if target is None or (not shape.is_off and draft is None):
                 continue
             table[batch, shape] = target + (0.0 if shape.is_off else draft + _least(_tree_build(batch, depth, candidates, shape), sync))
