@@ -128,12 +128,11 @@ def test_no_dummy_request_reads_past_its_block_table_row(engine, monkeypatch):
     assert all(torch.equal(before, after) for before, after in zip(kv_caches, runner.kv_caches))
 
 
-def test_larger_batch_sizes_time_their_largest_forward_and_interpolate_the_rest(engine, monkeypatch):
+def test_larger_batch_sizes_time_off_and_their_largest_forward_and_interpolate_the_rest(engine, monkeypatch):
     """Batch 1 times the target at every row count, each larger batch size at its smallest (off's) and
     largest row counts only; every other shape's target cost is the forwards' seconds interpolated at its
-    tokens. With timings forced
-    to a linear function of the tokens, the interpolation is exact, so every entry is that function plus
-    the draft pass and the tree build."""
+    tokens. With timings forced to a linear function of the tokens, the interpolation is exact, so every
+    entry is that function plus the draft pass and the tree build."""
     _, runner = engine
     monkeypatch.setattr(startup_costs, "TIME_LIMIT_S", float("inf"))
     timed = []

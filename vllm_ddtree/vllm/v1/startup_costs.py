@@ -7,15 +7,13 @@ to max_num_seqs):
   layout, attention metadata built, the drafter not run; `_target_step`) and its LM head over the rows
   a step samples (b for off, every row otherwise), for the rows each candidate shape verifies: 1 (off),
   1 + depth (the chain), 1 + n (a tree of n nodes). At a short context a forward costs what its tokens
-  cost, however they split into requests (the linear layers dominate the attention; on the 0.6b-cost
-  pair in bf16, 27-33 tokens took 100-102 ms at batch 1, 3 and 6, 96-102 tokens 151-152 ms at batch 3, 6
-  and 12, and 198-204 tokens 239-244 ms at batch 6 and 12). So batch 1 times every row count and each
-  larger batch size its largest and its smallest only (off's, one row per request); the other shapes'
-  b x rows tokens cost the seconds of the forwards timed at batch 1 and at each batch size's largest
-  rows, interpolated at those tokens (`interpolated`). Off is timed at every batch size, not
-  interpolated: it is the reference every shape is weighed against, and its forward holds the most
-  requests per token, whose per-request costs a count of tokens does not show (on the embedded pair in
-  float32 the interpolation put off 11-18% below its timing at batch 12-48, the other shapes within 3%);
+  cost, however they split into requests: the linear layers, whose cost follows the tokens, dominate the
+  attention (measured in docs/benchmarks.md, "Start-up costs by tokens"). So batch 1 times every row
+  count and each larger batch size its largest and its smallest only (off's, one row per request); the
+  other shapes' b x rows tokens cost the seconds of the forwards timed at batch 1 and at each batch
+  size's largest rows, interpolated at those tokens (`interpolated`). Off is timed at every batch size,
+  not interpolated: it is the reference every shape is weighed against, and its forward holds the most
+  requests per token, whose per-request costs a count of tokens does not show;
 - the draft, once per b: every speculative shape drafts the same depth (`DDTreeProposer.propose`), so
   one pass (DFlash's `dummy_run` over b x (1 + depth) rows: the context store and the block pass) and
   its LM head and top-k over b x depth rows serve them all;
@@ -66,18 +64,17 @@ REPEATS = 2
 fall on the first run only)."""
 
 WARM_UP = 4
-"""Untimed forwards before the timing: the first forwards after a large one (vLLM's profile run at
-max_num_batched_tokens) run slow for several forwards, each run of the least of REPEATS alike (on the
-embedded pair in float32, one row at batch 1 took 3.9-4.2 ms timed first and 2.8-3.0 ms after other
-forwards; five rows 6.5-7.5 ms after one untimed forward, 5.8-6.1 ms after four)."""
+"""Untimed forwards before the timing: the forwards after a large one (vLLM's profile run at
+max_num_batched_tokens) run slow for several forwards, every run of the least of REPEATS alike, so
+REPEATS alone does not remove it; one untimed forward did not either, four did (docs/benchmarks.md)."""
 
 TIME_LIMIT_S = 5.0
 """No larger batch size is timed once it would end the timing past this many seconds: the largest
 batches cost the most and run the least (an offline batch's first steps; a server at its peak), and the
 policy times shapes online anyway. A batch size the table lacks is learnt online by the climb, several
-steps per shape (each shape's first step in a bucket is untimed), which at batch 12 on the 0.6b-cost
-pair in bf16 cost a 64-token job at T=1 about 15% of its time (docs/benchmarks.md); this limit covers
-batch 1-12 there (4.1 s), and batch 1-192 on the embedded pair (1.7 s)."""
+steps per shape (each shape's first step in a bucket is untimed), which a short job at that batch pays
+for; the limit is set to cover batch 1-12 of a 0.6B-class model in bf16 on a 2-core CPU
+(docs/benchmarks.md)."""
 
 
 def seed_budget_policy(runner: Any) -> tuple[dict[tuple[int, TreeShape], float], float] | None:
@@ -145,7 +142,8 @@ def time_step_costs(runner: Any, shapes: list[TreeShape]) -> dict[tuple[int, Tre
     for batch, next_batch in itertools.pairwise((*(b for b in BATCHES if b <= max_seqs), None)):
         fits = [rows for rows in row_counts if batch * rows <= max_tokens and rows <= max_model_len]
         every_batch = sorted({fits[0], fits[-1]}) if fits else []  # off's own forward; the token table's point
-        for rows in (r for r in fits if r not in every_batch) if batch == 1 else ():
+        batch_one_only = [rows for rows in fits if rows not in every_batch] if batch == 1 else []
+        for rows in batch_one_only:
             measured[batch, rows] = by_tokens[rows] = _least(functools.partial(_target_step, runner, batch, rows), sync)
         batch_start = time.perf_counter()
         for rows in every_batch:
