@@ -4,7 +4,10 @@ With the policy scripted to never speculate, a batch of greedy and unseeded samp
 (temperature, top_p) gets exactly plain vLLM's tokens from the same engine seed: the same sampler
 consumes the same random stream. A batch with any request whose tokens must not depend on which
 steps ran without drafts (seeded), or whose options only the core rule serves, is drawn by the core
-rule on every step instead (`sampling.plain_sampler_serves`).
+rule on every step instead (`sampling.plain_sampler_serves`): in vLLM's plain layout, no tree step
+built, when its options are each request's parameters alone (seed, top_k, min_p), through a tree
+step of roots alone when they read the request's history or ask for logprobs
+(`sampling.plain_layout_serves`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,14 @@ def off_engine(pair_dirs, plain_tokens):
         return forward(*args, **kwargs)
 
     runner.sampler.forward = counting_forward
+    for name in ("_build_step", "_sample_plain_rows"):  # counted per name in `draws`
+        method = getattr(runner, name)
+
+        def counting(*args, _method=method, _name=name, **kwargs):
+            draws.append(_name)
+            return _method(*args, **kwargs)
+
+        setattr(runner, name, counting)
     yield llm, draws
     llm.llm_engine.engine_core.shutdown()
 
@@ -71,24 +82,21 @@ def test_off_steps_of_unseeded_requests_equal_plain_vllm_from_the_same_seed(off_
     draws.clear()
     outputs = llm.generate(prompts(), _mixed_params(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain_tokens
-    assert draws, "vLLM's sampler drew no step"
+    assert draws and set(draws) == {1}, "vLLM's sampler drew no step, or a step was not plain"
 
 
-@pytest.mark.parametrize(
-    "option",
-    [
-        {"seed": 7},
-        {"top_k": 5},
-        {"min_p": 0.1},
-        {"logprobs": 2},
-        {"presence_penalty": 0.5},
-        {"repetition_penalty": 1.2},
-        {"logit_bias": {3: 2.0}},
-        {"min_tokens": 4},
-        {"allowed_token_ids": [3, 4, 5, 6]},
-    ],
-    ids=str,
-)
+PARAMETERS_ALONE = [{"seed": 7}, {"top_k": 5}, {"min_p": 0.1}, {"seed": 3, "top_k": 2, "min_p": 0.05}]
+HISTORY_OR_LOGPROBS = [
+    {"logprobs": 2},
+    {"presence_penalty": 0.5},
+    {"repetition_penalty": 1.2},
+    {"logit_bias": {3: 2.0}},
+    {"min_tokens": 4},
+    {"allowed_token_ids": [3, 4, 5, 6]},
+]
+
+
+@pytest.mark.parametrize("option", PARAMETERS_ALONE + HISTORY_OR_LOGPROBS, ids=str)
 def test_a_request_only_the_core_rule_serves_keeps_its_batch_on_the_core_rule(off_engine, option):
     from vllm import SamplingParams
 
@@ -98,4 +106,7 @@ def test_a_request_only_the_core_rule_serves_keeps_its_batch_on_the_core_rule(of
               SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, **option)]
     outputs = llm.generate(prompts()[:2], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
-    assert not draws, f"vLLM's sampler drew a batch with {option}"
+    assert 1 not in draws, f"vLLM's sampler drew a batch with {option}"
+    # every step of the batch (prefill and 3 decodes) in one layout: plain, or a tree step of roots alone
+    expected = "_sample_plain_rows" if option in PARAMETERS_ALONE else "_build_step"
+    assert draws == [expected] * 4, f"{option}: {draws}"

@@ -42,6 +42,15 @@ def plain_sampler_serves(options: RequestOptions, has_structured_requests: bool)
     )
 
 
+def plain_layout_serves(options: RequestOptions, has_structured_requests: bool) -> bool:
+    """Whether a step without drafts may keep vLLM's plain layout (one logits row per request, no
+    `TreeStep`): vLLM's sampler draws it (`plain_sampler_serves`), or this rule does from each request's
+    parameters alone (temperature, top_k, top_p, min_p, its seed and the position drawn). Options that
+    read the request's history (`needs_node_processing`), grammars and logprobs take the tree path, which
+    serves them for every step alike."""
+    return not (has_structured_requests or options.wants_logprobs or options.needs_node_processing)
+
+
 def gather_node_logits(logits: torch.Tensor, node_logit_rows: torch.Tensor) -> torch.Tensor:
     """[T, N, V] float32 copy of every node's logits row (index_select: logits[rows] is several times slower on CPU)."""
     return logits.index_select(0, node_logit_rows.flatten()).view(*node_logit_rows.shape, -1).to(torch.float32)

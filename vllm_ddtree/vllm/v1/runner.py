@@ -6,12 +6,14 @@ masks (`_build_attention_metadata`, the platform's attention) -> sample every no
 next trees (`propose_draft_token_ids`). `tree_step.py` states the step object's lifecycle.
 
 A plain step is vLLM's plain decoding step: a step without drafts, after which the budget policy runs
-no speculation, whose batch vLLM's own sampler serves (below). For that step the runner reports no
-speculative config to vLLM's step code (`speculative_config`), so vLLM runs exactly its code without
-speculation (no spec-decode metadata, no drafting path) and none of the tree hooks build anything; the
-runner only keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). So a step
-that may be plain (no drafts, a batch vLLM's sampler serves) chooses the shape of the next step's
-drafts when it starts (`_choose_next_shape`); every other step chooses it when it drafts.
+no speculation, whose batch needs no history-dependent option, grammar or logprobs
+(`sampling.plain_layout_serves`). For that step the runner reports no speculative config to vLLM's
+step code (`speculative_config`), so vLLM runs exactly its code without speculation (no spec-decode
+metadata, no drafting path) and none of the tree hooks build anything; its one logits row per request
+is drawn by vLLM's sampler where that serves (below), else by the core rule (`_sample_plain_rows`), and
+the runner keeps the step's context rows for the draft (`DDTreeProposer.defer_context`). So a step
+that may be plain chooses the shape of the next step's drafts when it starts (`_choose_next_shape`);
+every other step chooses it when it drafts.
 
 Every token of a step with drafts comes from the core's sampling rule (`vllm_ddtree.core.sampling`),
 tree nodes and the bonus token alike; vLLM's rejection sampler never runs. A step without drafts
@@ -56,7 +58,7 @@ from vllm_ddtree.vllm.node_grammar import NodeGrammars
 from vllm_ddtree.vllm.node_logits import process_node_logits
 from vllm_ddtree.vllm.options import RequestOptions
 from vllm_ddtree.vllm.rank_zero import from_rank_zero
-from vllm_ddtree.vllm.sampling import gather_node_logits, plain_sampler_serves, sample_nodes
+from vllm_ddtree.vllm.sampling import gather_node_logits, plain_layout_serves, plain_sampler_serves, sample_nodes
 from vllm_ddtree.vllm.stage_times import (
     ACCEPTANCE,
     KV_COMPACTION,
@@ -118,6 +120,8 @@ class DDTreeRunnerMixin:
         self._next_shape_chosen = False  # this step already chose the next step's shape (`_choose_next_shape`)
         self._step_shape = self.drafter.last_shape  # the shape this step's drafts were drafted for
         self._vllm_samples = False  # this step has no drafts and vLLM's sampler serves its batch
+        self._plain_draw_positions = torch.zeros(0, 1, dtype=torch.long)
+        """[R, 1] the position each request of a seeded plain step draws (`_sample_plain_rows`)."""
         self._no_draft_indices: dict[int, tuple[torch.Tensor, ...]] = {}
         """The spec-decode metadata's index tensors of a step without drafts, by batch size."""
         if self.drafter.budget_policy is not None:
@@ -251,13 +255,18 @@ class DDTreeRunnerMixin:
         self.options = read_v1_options(
             self.input_batch.sampling_metadata, self.input_batch.num_reqs, self.device, self.vllm_config.model_config.get_vocab_size()
         )
-        self._vllm_samples = not has_drafts and plain_sampler_serves(self.options, scheduler_output.has_structured_output_requests)
-        if self._vllm_samples and not self.gdn_groups:  # hybrid targets keep vLLM's speculative layout
-            self._plain_step = self._choose_next_shape().is_off
+        structured = scheduler_output.has_structured_output_requests
+        self._vllm_samples = not has_drafts and plain_sampler_serves(self.options, structured)
+        if not has_drafts and not self.gdn_groups and plain_layout_serves(self.options, structured):
+            self._plain_step = self._choose_next_shape().is_off  # hybrid targets keep vLLM's speculative layout
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         if self._plain_step:
             self._proposals.drop(self.input_batch.req_ids)  # scheduled without drafts: proposed anew
             self.step = None
+            if self.options.seeds:  # each request draws the token after its scheduled ones
+                num_reqs = self.input_batch.num_reqs
+                draws = self.input_batch.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs]
+                self._plain_draw_positions = torch.from_numpy(draws.astype(np.int64)).unsqueeze(1)
             return result
         with self.stage_times.stage(TREE_BUILD):
             self.step = self._build_step(scheduler_output, num_scheduled_tokens)
@@ -380,6 +389,12 @@ class DDTreeRunnerMixin:
             if self.clock is not None:
                 self._clock_sampled(step, sampled)
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        if self._plain_step:  # no drafts, options of the request's parameters alone: one row per request
+            with self.stage_times.stage(ACCEPTANCE):
+                sampled = self._sample_plain_rows(logits)
+            if self.clock is not None:
+                self._clock_sampled(None, sampled)
+            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         with self.stage_times.stage(ACCEPTANCE):
             self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
             if self.options.all_greedy and not self.options.needs_node_processing:  # every node's token: its row's argmax
@@ -394,6 +409,16 @@ class DDTreeRunnerMixin:
         if self.clock is not None:
             self._clock_sampled(step, output)
         return SamplerOutput(sampled_token_ids=output.to(logits.device), logprobs_tensors=logprobs)
+
+    def _sample_plain_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R, 1] the core rule's token for every request of a plain step from its logits row [R, V]
+        (vLLM's layout: row r is request r's), a seeded request's keyed at the position it draws, as a
+        tree's root is (`TreeStep.draw_positions`); TP rank 0's on every rank."""
+        num_reqs = logits.shape[0]
+        params = self.options.sampling_params()
+        rows = torch.arange(num_reqs, device=logits.device).unsqueeze(1)
+        positions = self._plain_draw_positions if params.seeds else None
+        return from_rank_zero(sample_nodes(logits, rows, positions, params))
 
     def _sample_nodes(self, logits: torch.Tensor, step: TreeStep) -> torch.Tensor | None:
         """Fill `step.target_token_ids`: the target's token at every node, TP rank 0's on every rank.
