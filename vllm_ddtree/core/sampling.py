@@ -83,6 +83,8 @@ def _divide_by_temperature(flat: torch.Tensor, params: TreeSamplingParams, nodes
         return
     temperature = params.temperature.numpy()
     temperature = np.where(temperature < GREEDY_EPS, 1.0, temperature).astype(np.float32, copy=False)
+    if (temperature == 1.0).all():  # x / 1 is x exactly: no pass over the rows
+        return
     rows = flat.numpy()
     np.divide(rows, np.repeat(temperature, nodes)[:, None], out=rows)
 
@@ -111,7 +113,7 @@ def sample_tree_tokens(
 
     positions [R, N]: the sequence position of the token each node draws (its depth + 1 past the
     root's position); needed when any request is seeded. inplace: `logits` may be overwritten."""
-    greedy = params.is_greedy
+    greedy = params.is_greedy if params.all_greedy is None or params.any_greedy is not False else None
     all_greedy = bool(greedy.all()) if params.all_greedy is None else params.all_greedy
     any_greedy = all_greedy or (bool(greedy.any()) if params.any_greedy is None else params.any_greedy)
     greedy_tokens = argmax_first(logits.flatten(0, 1)).view(logits.shape[:2]) if any_greedy else None
@@ -128,7 +130,10 @@ def sample_tree_tokens(
     if bool((sampled.numpy() < 0).any() if sampled.device.type == "cpu" else (sampled < 0).any()):
         no_mass = sampled < 0
         sampled = torch.where(no_mass, argmax_first(processed.flatten(0, 1)).view(no_mass.shape), sampled)
-    return sampled if greedy_tokens is None else torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
+    if greedy_tokens is None:
+        return sampled
+    assert greedy is not None
+    return torch.where(greedy.unsqueeze(1), greedy_tokens, sampled)
 
 
 def _uniforms(seeds: dict[int, int], positions: torch.Tensor | None, shape: torch.Size, device: torch.device) -> torch.Tensor:

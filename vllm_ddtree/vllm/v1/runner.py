@@ -122,6 +122,8 @@ class DDTreeRunnerMixin:
         self._vllm_samples = False  # this step has no drafts and vLLM's sampler serves its batch
         self._plain_draw_positions = torch.zeros(0, 1, dtype=torch.long)
         """[R, 1] the position each request of a seeded plain step draws (`_sample_plain_rows`)."""
+        self._plain_rows: dict[int, torch.Tensor] = {}
+        """[R, 1] row r of a plain step's logits is request r's, by batch size R (`_sample_plain_rows`)."""
         self._no_draft_indices: dict[int, tuple[torch.Tensor, ...]] = {}
         """The spec-decode metadata's index tensors of a step without drafts, by batch size."""
         if self.drafter.budget_policy is not None:
@@ -416,7 +418,9 @@ class DDTreeRunnerMixin:
         tree's root is (`TreeStep.draw_positions`); TP rank 0's on every rank."""
         num_reqs = logits.shape[0]
         params = self.options.sampling_params()
-        rows = torch.arange(num_reqs, device=logits.device).unsqueeze(1)
+        rows = self._plain_rows.get(num_reqs)
+        if rows is None:
+            rows = self._plain_rows[num_reqs] = torch.arange(num_reqs, device=logits.device).unsqueeze(1)
         positions = self._plain_draw_positions if params.seeds else None
         return from_rank_zero(sample_nodes(logits, rows, positions, params))
 
