@@ -19,6 +19,7 @@ from tests.e2e.scripted_budget import ScriptedBudget
 from vllm_ddtree.core import OFF, candidate_shapes
 
 BUDGET = 8
+VLLM = "vLLM's sampler"
 MAX_TOKENS = 12
 
 
@@ -52,27 +53,21 @@ def plain_tokens(pair_dirs):
 
 @pytest.fixture(scope="module")
 def off_engine(pair_dirs, plain_tokens):
-    """A method 'ddtree' engine whose policy never speculates, and the count of vLLM sampler draws
-    (built after the plain engine is gone: one in-process engine at a time)."""
+    """A method 'ddtree' engine whose policy never speculates, and the log of its steps' draws: VLLM for
+    vLLM's sampler, the runner's method's name for a tree step built or plain rows drawn by the core
+    rule (built after the plain engine is gone: one in-process engine at a time)."""
     llm = _engine(*pair_dirs["random"])
     runner = model_runner(llm)
     runner.use_budget_policy(ScriptedBudget(candidate_shapes(BUDGET, runner.drafter.max_depth), [OFF]))
     draws = []
-    forward = runner.sampler.forward
+    for owner, name, label in ((runner.sampler, "forward", VLLM), (runner, "_build_step", None), (runner, "_sample_plain_rows", None)):
+        method = getattr(owner, name)
 
-    def counting_forward(*args, **kwargs):
-        draws.append(1)
-        return forward(*args, **kwargs)
-
-    runner.sampler.forward = counting_forward
-    for name in ("_build_step", "_sample_plain_rows"):  # counted per name in `draws`
-        method = getattr(runner, name)
-
-        def counting(*args, _method=method, _name=name, **kwargs):
-            draws.append(_name)
+        def logged(*args, _method=method, _label=label or name, **kwargs):
+            draws.append(_label)
             return _method(*args, **kwargs)
 
-        setattr(runner, name, counting)
+        setattr(owner, name, logged)
     yield llm, draws
     llm.llm_engine.engine_core.shutdown()
 
@@ -82,7 +77,7 @@ def test_off_steps_of_unseeded_requests_equal_plain_vllm_from_the_same_seed(off_
     draws.clear()
     outputs = llm.generate(prompts(), _mixed_params(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == plain_tokens
-    assert draws and set(draws) == {1}, "vLLM's sampler drew no step, or a step was not plain"
+    assert draws and set(draws) == {VLLM}, "vLLM's sampler drew no step, or a step was not plain"
 
 
 PARAMETERS_ALONE = [{"seed": 7}, {"top_k": 5}, {"min_p": 0.1}, {"seed": 3, "top_k": 2, "min_p": 0.05}]
@@ -106,7 +101,7 @@ def test_a_request_only_the_core_rule_serves_keeps_its_batch_on_the_core_rule(of
               SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, **option)]
     outputs = llm.generate(prompts()[:2], params, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outputs)
-    assert 1 not in draws, f"vLLM's sampler drew a batch with {option}"
+    assert VLLM not in draws, f"vLLM's sampler drew a batch with {option}"
     # every step of the batch (prefill and 3 decodes) in one layout: plain, or a tree step of roots alone
     expected = "_sample_plain_rows" if option in PARAMETERS_ALONE else "_build_step"
     assert draws == [expected] * 4, f"{option}: {draws}"

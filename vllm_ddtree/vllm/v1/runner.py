@@ -384,18 +384,14 @@ class DDTreeRunnerMixin:
         shard)."""
         step = self.step
         assert logits is not None and (step is not None or self._plain_step)
-        if self._vllm_samples:  # no drafts (a plain step has no `TreeStep`)
+        if self._vllm_samples or self._plain_step:  # no drafts: one token per request (a plain step has no `TreeStep`)
             with self.stage_times.stage(ACCEPTANCE):
-                sampled = super()._sample(logits, None).sampled_token_ids
-                sampled = from_rank_zero(sampled)  # one token per request on every rank
+                if self._vllm_samples:
+                    sampled = from_rank_zero(super()._sample(logits, None).sampled_token_ids)
+                else:  # options of each request's parameters alone: its one logits row, by the core rule
+                    sampled = self._sample_plain_rows(logits)
             if self.clock is not None:
                 self._clock_sampled(step, sampled)
-            return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
-        if self._plain_step:  # no drafts, options of the request's parameters alone: one row per request
-            with self.stage_times.stage(ACCEPTANCE):
-                sampled = self._sample_plain_rows(logits)
-            if self.clock is not None:
-                self._clock_sampled(None, sampled)
             return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
         with self.stage_times.stage(ACCEPTANCE):
             self.node_grammars.mask_(logits, step, self.input_batch.req_ids, self.requests)
